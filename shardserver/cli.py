@@ -1,0 +1,114 @@
+"""``shardserver`` command line: serve, engine-sim, config, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .config import Config, load_config
+from .errors import ConfigError
+
+__all__ = ["main", "build_config"]
+
+log = logging.getLogger("shardserver")
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """The config file (``--config`` or ``$SHARDSERVER_CONFIG``) + environment + command-line flags."""
+    cfg = load_config(args.config)
+    server = {k: v for k, v in (("host", getattr(args, "host", None)), ("port", getattr(args, "port", None)),
+                                ("front_ends", getattr(args, "front_ends", None))) if v is not None}
+    if server:
+        cfg = cfg.replace("server", **server)
+    if getattr(args, "shards", None) is not None:
+        cfg = cfg.replace("shards", count=args.shards)
+    if getattr(args, "engine_url", None) is not None:
+        cfg = cfg.replace("engine", url=args.engine_url)
+    return cfg
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .workers._subprocess import configure_logging
+    from .workers.supervisor import Supervisor
+
+    cfg = build_config(args)
+    configure_logging(cfg.server.log_level)
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle("shardserver: supervisor")
+    except ImportError:  # pragma: no cover
+        pass
+
+    def ready(host: str, port: int) -> None:
+        print(f"shardserver ready on http://{host}:{port}", flush=True)
+
+    return Supervisor(cfg, on_ready=ready).run()
+
+
+def _cmd_engine_sim(args: argparse.Namespace) -> int:
+    from .engine_sim import SimConfig, run_standalone
+
+    cfg = load_config(args.config) if args.config else None
+    sim = SimConfig.from_mapping(dict(cfg.simulator)) if cfg else SimConfig()
+    run_standalone(args.host, args.port, sim)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    print(json.dumps(cfg.as_dict(mask_secrets=True), indent=2, sort_keys=False))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(config_path=args.config, samples=args.samples, tokens=args.tokens,
+                    concurrency=args.concurrency)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="shardserver", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the gateway (supervisor, encoders, front-ends)")
+    s.add_argument("--config", help="TOML config file (default: $SHARDSERVER_CONFIG or built-in defaults)")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--shards", type=int, help="encoder worker processes (shards.count)")
+    s.add_argument("--front-ends", type=int, dest="front_ends", help="uvicorn front-end workers (server.front_ends)")
+    s.add_argument("--engine-url", dest="engine_url",
+                   help="vLLM base URL, e.g. http://10.0.0.5:8000 (default: the embedded simulator)")
+    s.set_defaults(func=_cmd_serve)
+
+    e = sub.add_parser("engine-sim", help="run the vLLM /v1/completions simulator standalone")
+    e.add_argument("--host", default="127.0.0.1")
+    e.add_argument("--port", type=int, default=8001)
+    e.add_argument("--config", help="take [simulator] from this TOML config")
+    e.set_defaults(func=_cmd_engine_sim)
+
+    c = sub.add_parser("config", help="print the effective config (file + environment), secrets masked")
+    c.add_argument("--config")
+    c.add_argument("--show", action="store_true", help="(default) print the effective config")
+    c.set_defaults(func=_cmd_config)
+
+    d = sub.add_parser("demo", help="start the gateway and drive it with the real tinker SDK")
+    d.add_argument("--config", default="configs/demo.toml")
+    d.add_argument("--samples", type=int, default=256)
+    d.add_argument("--tokens", type=int, default=4096)
+    d.add_argument("--concurrency", type=int, default=64)
+    d.set_defaults(func=_cmd_demo)
+
+    args = p.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"shardserver: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,564 @@
+"""Decode vLLM ``/v1/completions`` bodies straight into numpy arrays.
+
+The input is the non-streaming body of vLLM 0.30's OpenAI-compatible completions
+route (``vllm/entrypoints/openai/completion/protocol.py``: ``CompletionResponse``,
+``CompletionResponseChoice``, ``CompletionLogProbs``; the gateway always sends
+``logprobs`` and ``return_token_ids=true``). Older layouts (0.10.2+, 0.11) decode
+the same way: keys are looked up by name, unknown keys are ignored, and a missing
+key means ``null``. See ``shared/spec/vllm_completions.md``.
+
+The output, :class:`DecodedCompletion`, holds exactly what the Tinker
+``SampleResponse`` needs (``tinker/proto/tinker_public_pb2.py``), already in the
+dtypes of the wire: int32 token ids, float32 logprobs.
+
+Performance: the body is parsed once with a reusable ``simdjson.Parser``.
+``token_ids`` and ``token_logprobs`` are copied out of the parsed document with
+``Array.as_buffer`` (one C loop each), so no Python object is created per
+generated token. Prompt logprobs (``{id: {logprob, rank, decoded_token}}`` per
+prompt position) are materialized with ``Array.as_list`` once (choice 0 only)
+and reduced with numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import simdjson
+
+from shardserver.errors import EngineBodyError
+
+__all__ = [
+    "CompletionDecoder",
+    "DecodedChoice",
+    "DecodedCompletion",
+    "FINISH_REASONS",
+    "TOPK_MASK_TOKEN",
+    "TOPK_MASK_LOGPROB",
+]
+
+#: ``finish_reason`` values of vLLM 0.30 that can arrive in a 200 (``v1/engine/__init__.py``
+#: ``FinishReason``; ``error`` becomes an HTTP 500 and never reaches the decoder).
+FINISH_REASONS = frozenset({"stop", "length", "abort", "repetition"})
+
+#: Fill of undefined top-k cells: the SDK's sentinel (``tinker/types/topk_logprobs.py``).
+TOPK_MASK_TOKEN = 0
+TOPK_MASK_LOGPROB = -99999.0
+
+_INT32_MAX = 2**31 - 1
+_Array = simdjson.Array
+_Object = simdjson.Object
+_NUMBER = (int, float)
+
+
+@dataclass(slots=True)
+class DecodedChoice:
+    """One sample of a completion, in wire dtypes.
+
+    Attributes:
+        index: ``choices[i].index`` (0..n-1).
+        token_ids: int32, shape ``(T,)``: every generated id including a final EOS/stop id.
+        logprobs: float32, shape ``(T,)``: the sampled tokens' logprobs as vLLM sent them
+            (``-9999.0`` is vLLM's clamp of ``-inf`` and is kept). ``None`` when the choice
+            had ``"logprobs": null`` (never zero-filled).
+        finish_reason: raw vLLM string, one of :data:`FINISH_REASONS`.
+        stop_reason: raw vLLM ``stop_reason``: a stop token id, a stop string, or ``None``.
+    """
+
+    index: int
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None
+    finish_reason: str
+    stop_reason: int | str | None
+
+
+@dataclass(slots=True)
+class DecodedCompletion:
+    """A decoded completion body: what ``SampleResponse`` is built from.
+
+    Attributes:
+        choices: one :class:`DecodedChoice` per sample, sorted by ``index``; ``len == n``.
+        prompt_logprobs: float32, shape ``(P,)``, one per prompt token; NaN where undefined
+            (position 0, ``null`` rows, and rows past the end of an aborted request's list).
+            ``None`` when prompt logprobs were not requested.
+        topk_token_ids: int32, shape ``(P, k)``: per position the ids of the ``k`` entries
+            with the highest logprob (ties keep vLLM's order); undefined cells hold
+            :data:`TOPK_MASK_TOKEN`. ``None`` when top-k was not requested.
+        topk_logprobs: float32, shape ``(P, k)``, aligned with ``topk_token_ids``; undefined
+            cells hold :data:`TOPK_MASK_LOGPROB`. ``None`` when top-k was not requested.
+        prompt_cache_hit_tokens: ``usage.prompt_tokens_details.cached_tokens``, else 0.
+    """
+
+    choices: list[DecodedChoice]
+    prompt_logprobs: np.ndarray | None = None
+    topk_token_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+    prompt_cache_hit_tokens: int = 0
+
+    @property
+    def aborted(self) -> bool:
+        """True if any choice has ``finish_reason == "abort"`` (a partial sample vLLM still answers 200 for)."""
+        return any(c.finish_reason == "abort" for c in self.choices)
+
+
+def _type_name(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, (_Array, list)):
+        return "array"
+    if isinstance(v, (_Object, dict)):
+        return "object"
+    return type(v).__name__
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int
+
+
+def _fail_not_json(body: bytes, exc: Exception) -> EngineBodyError:
+    msg = str(exc)
+    head = body[:256].lstrip()
+    if not head:
+        return EngineBodyError("$", "empty body (HTTP 2xx with no JSON)")
+    if head[:1] == b"<":
+        return EngineBodyError("$", f"body is HTML, not JSON (a proxy or ingress page?): {head[:80]!r}")
+    hints = []
+    if b"NaN" in body or b"Infinity" in body:
+        hints.append("it contains NaN/Infinity, which JSON does not allow (a non-finite logprob?)")
+    tail = body[-40:]
+    if not body.rstrip().endswith(b"}"):
+        hints.append(f"it does not end with '}}' (truncated? {len(body)} bytes, ends {tail!r})")
+    hint = ("; " + "; ".join(hints)) if hints else ""
+    return EngineBodyError("$", f"body is not valid JSON ({msg}){hint}")
+
+
+class CompletionDecoder:
+    """Decodes vLLM completion bodies; one per process (it owns a reusable ``simdjson.Parser``).
+
+    Not thread-safe: the parser's buffers are reused across calls.
+    """
+
+    __slots__ = ("_parser",)
+
+    def __init__(self) -> None:
+        self._parser = simdjson.Parser()
+
+    def decode(
+        self,
+        body: bytes,
+        *,
+        num_samples: int,
+        prompt_token_ids: np.ndarray | None = None,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> DecodedCompletion:
+        """Decode one HTTP-2xx body of vLLM's ``POST /v1/completions``.
+
+        Args:
+            body: the raw body bytes (UTF-8 JSON). ``bytes`` is fastest; other buffers are copied.
+            num_samples: the ``n`` the gateway asked for; the body must have exactly this many choices.
+            prompt_token_ids: the prompt the gateway sent (int array, shape ``(P,)``). Used to
+                look up prompt logprobs when the body has no ``prompt_token_ids``, and checked
+                against the body's copy when both exist.
+            prompt_logprobs: whether prompt logprobs were requested (fills
+                :attr:`DecodedCompletion.prompt_logprobs`).
+            topk_prompt_logprobs: ``k`` of the top-k prompt logprobs requested, 0 for none
+                (fills the ``topk_*`` matrices, shape ``(P, k)``).
+
+        Returns:
+            The decoded completion, choices sorted by index.
+
+        Raises:
+            EngineBodyError: for any body that is not a complete, well-typed completion: empty,
+                HTML, non-JSON or truncated bodies; error envelopes (``{"error": {...}}``,
+                ``{"detail": ...}``, ``{"object": "error", ...}``); missing or empty ``choices``;
+                a choice count other than ``num_samples``; duplicate or missing indexes;
+                missing ``token_ids``; mistyped fields; ``len(token_ids) !=
+                len(token_logprobs)``; ``null`` or non-finite sampled logprobs; unknown
+                ``finish_reason``; prompt logprobs missing, of the wrong length (unless aborted)
+                or lacking the prompt token's own entry. ``where`` is the JSON path.
+            ValueError: for invalid arguments (``num_samples < 1``, ``topk_prompt_logprobs < 0``).
+        """
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if topk_prompt_logprobs < 0:
+            raise ValueError(f"topk_prompt_logprobs must be >= 0, got {topk_prompt_logprobs}")
+        if not isinstance(body, bytes):
+            body = bytes(body)
+        try:
+            return self._decode(body, num_samples, prompt_token_ids, prompt_logprobs, topk_prompt_logprobs)
+        except EngineBodyError as e:
+            # Drop the traceback and context: their frames hold simdjson proxies, and a live
+            # proxy makes the next Parser.parse() refuse to reuse the parser.
+            e.__context__ = None
+            e.__cause__ = None
+            raise e.with_traceback(None) from None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _parse(self, body: bytes):
+        try:
+            return self._parser.parse(body)
+        except RuntimeError:
+            # Some proxy from an earlier document is still alive somewhere; use a fresh parser.
+            self._parser = simdjson.Parser()
+            return self._parser.parse(body)
+
+    def _decode(
+        self,
+        body: bytes,
+        num_samples: int,
+        prompt_ids_arg: np.ndarray | None,
+        want_plp: bool,
+        k: int,
+    ) -> DecodedCompletion:
+        if not body:
+            raise EngineBodyError("$", "empty body (HTTP 2xx with no JSON)")
+        try:
+            doc = self._parse(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _fail_not_json(body, e) from None
+
+        if not isinstance(doc, _Object):
+            raise EngineBodyError("$", f"top-level JSON value is {_type_name(doc)}, expected an object")
+        _check_error_envelope(doc)
+
+        choices = doc.get("choices")
+        if choices is None:
+            raise EngineBodyError("choices", "missing or null (not a completion body)")
+        if not isinstance(choices, _Array):
+            raise EngineBodyError("choices", f"expected an array, got {_type_name(choices)}")
+        m = len(choices)
+        if m == 0:
+            raise EngineBodyError("choices", "empty array")
+        if m != num_samples:
+            raise EngineBodyError("choices", f"{m} choices, expected num_samples={num_samples}")
+
+        slots: list[DecodedChoice | None] = [None] * m
+        choice0 = None
+        c0pos = 0
+        for pos in range(m):
+            c = choices[pos]
+            where = f"choices[{pos}]"
+            if not isinstance(c, _Object):
+                raise EngineBodyError(where, f"expected an object, got {_type_name(c)}")
+            dc = _decode_choice(c, where, m)
+            if slots[dc.index] is not None:
+                raise EngineBodyError(f"{where}.index", f"duplicate index {dc.index}")
+            slots[dc.index] = dc
+            if dc.index == 0:
+                choice0, c0pos = c, pos
+        # m distinct indexes in [0, m) means none is missing; keep the check explicit anyway.
+        missing = [i for i, s in enumerate(slots) if s is None]
+        if missing:
+            raise EngineBodyError("choices", f"missing index {missing[0]}")
+        decoded: list[DecodedChoice] = slots  # type: ignore[assignment]
+        aborted = any(c.finish_reason == "abort" for c in decoded)
+        where0 = f"choices[{c0pos}]"
+
+        # Prompt token ids: the body's copy (choice with index 0) or the caller's.
+        body_pids = _int_array(choice0.get("prompt_token_ids"), f"{where0}.prompt_token_ids", allow_null=True)
+        arg_pids = None
+        if prompt_ids_arg is not None:
+            arg_pids = np.asarray(prompt_ids_arg)
+            if arg_pids.ndim != 1:
+                raise ValueError("prompt_token_ids must be one-dimensional")
+        if body_pids is not None and arg_pids is not None:
+            if body_pids.shape != arg_pids.shape or not np.array_equal(body_pids, arg_pids):
+                raise EngineBodyError(
+                    f"{where0}.prompt_token_ids",
+                    f"differs from the prompt the gateway sent ({body_pids.size} ids in the body, "
+                    f"{arg_pids.size} sent)",
+                )
+        pids = body_pids if body_pids is not None else arg_pids
+
+        out = DecodedCompletion(choices=decoded)
+        if want_plp or k > 0:
+            _decode_prompt_logprobs(choice0.get("prompt_logprobs"), pids, where0, aborted, want_plp, k, out)
+
+        usage = doc.get("usage")
+        if usage is not None:
+            out.prompt_cache_hit_tokens = _cached_tokens(usage)
+        return out
+
+
+def _check_error_envelope(doc) -> None:
+    err = doc.get("error")
+    if err is not None:
+        if isinstance(err, _Object):
+            msg = err.get("message")
+            typ = err.get("type")
+            code = err.get("code")
+            raise EngineBodyError("error", f"engine returned an error body: {typ} (code {code}): {msg}")
+        raise EngineBodyError("error", f"engine returned an error body: {err!r}")
+    if "detail" in doc and "choices" not in doc:
+        detail = doc.get("detail")
+        if isinstance(detail, (_Object, _Array)):
+            detail = detail.mini.decode("utf-8", "replace")
+        raise EngineBodyError("detail", f"engine returned an error body: detail={detail!r}")
+    if doc.get("object") == "error":
+        raise EngineBodyError(
+            "object",
+            f"engine returned an error body (pre-0.10.1 flat form): {doc.get('type')} "
+            f"(code {doc.get('code')}): {doc.get('message')}",
+        )
+
+
+def _cached_tokens(usage) -> int:
+    if not isinstance(usage, _Object):
+        raise EngineBodyError("usage", f"expected an object, got {_type_name(usage)}")
+    details = usage.get("prompt_tokens_details")
+    if details is None:
+        return 0
+    if not isinstance(details, _Object):
+        raise EngineBodyError("usage.prompt_tokens_details", f"expected an object, got {_type_name(details)}")
+    n = details.get("cached_tokens")
+    if n is None:
+        return 0
+    if not _is_int(n) or not 0 <= n <= _INT32_MAX:
+        raise EngineBodyError("usage.prompt_tokens_details.cached_tokens", f"expected an int in [0, 2^31), got {n!r}")
+    return n
+
+
+def _int_array(arr, where: str, *, allow_null: bool) -> np.ndarray | None:
+    """Token ids (a JSON array of ints) -> int32 array, via one C copy."""
+    if arr is None:
+        if allow_null:
+            return None
+        raise EngineBodyError(where, "missing or null")
+    if not isinstance(arr, _Array):
+        raise EngineBodyError(where, f"expected an array of ints, got {_type_name(arr)}")
+    n = len(arr)
+    try:
+        a = np.frombuffer(arr.as_buffer(of_type="i"), dtype=np.int64)
+    except (TypeError, ValueError):
+        _diagnose_int_array(arr.as_list(), where)
+        raise EngineBodyError(where, "expected an array of ints") from None  # pragma: no cover
+    if a.size != n:  # as_buffer flattens nested arrays
+        raise EngineBodyError(where, "expected a flat array of ints, found nested arrays")
+    if n and (int(a.min()) < 0 or int(a.max()) > _INT32_MAX):
+        j = int(np.flatnonzero((a < 0) | (a > _INT32_MAX))[0])
+        raise EngineBodyError(f"{where}[{j}]", f"token id {int(a[j])} outside [0, 2^31)")
+    return a.astype(np.int32)
+
+
+def _diagnose_int_array(items: list, where: str) -> None:
+    for j, v in enumerate(items):
+        if not _is_int(v):
+            raise EngineBodyError(f"{where}[{j}]", f"expected an int token id, got {_type_name(v)} {v!r}")
+        if not 0 <= v <= _INT32_MAX:
+            raise EngineBodyError(f"{where}[{j}]", f"token id {v} outside [0, 2^31)")
+
+
+def _float_array(arr, where: str) -> np.ndarray:
+    """Sampled logprobs (a JSON array of numbers) -> float32 array, via one C copy."""
+    if not isinstance(arr, _Array):
+        raise EngineBodyError(where, f"expected an array of numbers, got {_type_name(arr)}")
+    n = len(arr)
+    try:
+        a = np.frombuffer(arr.as_buffer(of_type="d"), dtype=np.float64)
+    except (TypeError, ValueError):
+        # Slow exact path: find the offending element (null, string, boolean, nested ...).
+        for j, v in enumerate(arr.as_list()):
+            if v is None:
+                raise EngineBodyError(
+                    f"{where}[{j}]",
+                    "null sampled logprob (only echo/prompt positions have null, and the gateway never uses echo)",
+                ) from None
+            if type(v) not in _NUMBER:
+                raise EngineBodyError(f"{where}[{j}]", f"expected a number, got {_type_name(v)} {v!r}") from None
+        raise EngineBodyError(where, "expected a flat array of numbers") from None
+    if a.size != n:
+        raise EngineBodyError(where, "expected a flat array of numbers, found nested arrays")
+    f = a.astype(np.float32)
+    if n and not np.isfinite(f).all():
+        j = int(np.flatnonzero(~np.isfinite(f))[0])
+        raise EngineBodyError(f"{where}[{j}]", f"non-finite logprob {float(a[j])!r} (NaN/inf or beyond float32 range)")
+    return f
+
+
+def _decode_choice(c, where: str, m: int) -> DecodedChoice:
+    index = c.get("index")
+    if not _is_int(index):
+        raise EngineBodyError(f"{where}.index", f"expected an int, got {_type_name(index)}")
+    if not 0 <= index < m:
+        raise EngineBodyError(f"{where}.index", f"index {index} outside [0, {m})")
+
+    finish = c.get("finish_reason")
+    if finish is None:
+        raise EngineBodyError(f"{where}.finish_reason", "missing or null")
+    if not isinstance(finish, str):
+        raise EngineBodyError(f"{where}.finish_reason", f"expected a string, got {_type_name(finish)}")
+    if finish not in FINISH_REASONS:
+        raise EngineBodyError(
+            f"{where}.finish_reason", f"unknown finish_reason {finish!r} (expected one of {sorted(FINISH_REASONS)})"
+        )
+    stop_reason = c.get("stop_reason")
+    if stop_reason is not None and not (_is_int(stop_reason) or isinstance(stop_reason, str)):
+        raise EngineBodyError(
+            f"{where}.stop_reason", f"expected an int, a string or null, got {_type_name(stop_reason)}"
+        )
+
+    tids = c.get("token_ids")
+    if tids is None:
+        raise EngineBodyError(
+            f"{where}.token_ids",
+            "missing or null: the gateway always requests return_token_ids=true, so this engine "
+            "(vLLM < 0.10.2, or a proxy that dropped the flag) is not usable",
+        )
+    token_ids = _int_array(tids, f"{where}.token_ids", allow_null=False)
+
+    lp = c.get("logprobs")
+    logprobs = None
+    if lp is not None:
+        if not isinstance(lp, _Object):
+            raise EngineBodyError(f"{where}.logprobs", f"expected an object or null, got {_type_name(lp)}")
+        tl = lp.get("token_logprobs")
+        if tl is None:
+            raise EngineBodyError(f"{where}.logprobs.token_logprobs", "missing or null in a logprobs object")
+        logprobs = _float_array(tl, f"{where}.logprobs.token_logprobs")
+        if logprobs.size != token_ids.size:
+            raise EngineBodyError(
+                f"{where}.logprobs.token_logprobs",
+                f"{logprobs.size} logprobs for {token_ids.size} token_ids",
+            )
+        # The parallel lists must agree too (cheap: len() of a proxy is O(1)).
+        for key in ("tokens", "top_logprobs", "text_offset"):
+            other = lp.get(key)
+            if other is not None and isinstance(other, _Array) and len(other) != token_ids.size:
+                raise EngineBodyError(
+                    f"{where}.logprobs.{key}", f"{len(other)} entries for {token_ids.size} token_ids"
+                )
+    return DecodedChoice(index, token_ids, logprobs, finish, stop_reason)
+
+
+def _decode_prompt_logprobs(
+    pl, pids: np.ndarray | None, where0: str, aborted: bool, want_plp: bool, k: int, out: DecodedCompletion
+) -> None:
+    where = f"{where0}.prompt_logprobs"
+    if pids is None:
+        raise EngineBodyError(
+            f"{where0}.prompt_token_ids",
+            "prompt logprobs were requested but the prompt token ids are unknown "
+            "(not in the body and not passed by the caller)",
+        )
+    P = int(pids.size)
+    plp = np.full(P, np.nan, dtype=np.float32)
+    kk = max(k, 0)
+    t_ids = np.zeros((P, kk), dtype=np.int32)
+    t_lps = np.full((P, kk), TOPK_MASK_LOGPROB, dtype=np.float32)
+    if want_plp:
+        out.prompt_logprobs = plp
+    if k > 0:
+        out.topk_token_ids = t_ids
+        out.topk_logprobs = t_lps
+
+    if pl is None:
+        if aborted:
+            return
+        raise EngineBodyError(where, "missing or null although prompt logprobs were requested")
+    if not isinstance(pl, _Array):
+        raise EngineBodyError(where, f"expected an array, got {_type_name(pl)}")
+    L = len(pl)
+    if L > P or (L < P and not aborted):
+        raise EngineBodyError(where, f"{L} positions for a {P}-token prompt")
+    if L == 0:
+        return
+
+    rows = pl.as_list()
+    keys = list(map(str, pids[:L].tolist()))
+    try:
+        nonnull = [i for i, r in enumerate(rows) if r is not None]
+        nrows = [rows[i] for i in nonnull]
+        own = [r[keys[i]] for r, i in zip(nrows, nonnull)]
+        own_lp = [e["logprob"] for e in own]
+        if not set(map(type, own_lp)) <= {float, int}:
+            raise TypeError
+    except (KeyError, TypeError, AttributeError):
+        _diagnose_prompt_rows(rows, keys, where)
+        raise EngineBodyError(where, "malformed prompt logprobs") from None  # pragma: no cover
+    if not nonnull:
+        return
+    nn = np.asarray(nonnull, dtype=np.intp)
+    own64 = np.asarray(own_lp, dtype=np.float64)
+    _check_finite(own64, nn, where)
+    plp[nn] = own64
+
+    if k == 0:
+        return
+    counts = np.fromiter(map(len, nrows), dtype=np.intp, count=len(nrows))
+    flat_keys = list(itertools.chain.from_iterable(nrows))
+    try:
+        flat_lp = [e["logprob"] for e in itertools.chain.from_iterable(r.values() for r in nrows)]
+        if not set(map(type, flat_lp)) <= {float, int}:
+            raise TypeError
+    except (KeyError, TypeError, AttributeError):
+        _diagnose_prompt_rows(rows, keys, where)
+        raise EngineBodyError(where, "malformed prompt logprobs") from None  # pragma: no cover
+    joined = "".join(flat_keys)
+    if not (joined.isascii() and joined.isdigit()) or min(map(len, flat_keys)) == 0 or max(map(len, flat_keys)) > 10:
+        _diagnose_prompt_keys(rows, where)
+    ids64 = np.array(flat_keys).astype(np.int64)
+    if ids64.size and int(ids64.max()) > _INT32_MAX:
+        _diagnose_prompt_keys(rows, where)
+    lp64 = np.asarray(flat_lp, dtype=np.float64)
+    row = np.repeat(nn, counts)
+    _check_finite(lp64, row, where)
+    # Sort each row by logprob, descending, stable (ties keep vLLM's insertion order):
+    # a stable sort on -logprob, then a stable sort on the row number.
+    order = np.argsort(-lp64, kind="stable")
+    order = order[np.argsort(row[order], kind="stable")]
+    starts = np.repeat(np.cumsum(counts) - counts, counts)  # first flat index of each entry's row
+    rank = np.arange(order.size) - starts
+    keep = rank < k
+    sel = order[keep]
+    r_sel = row[sel]
+    c_sel = rank[keep]
+    t_ids[r_sel, c_sel] = ids64[sel]
+    t_lps[r_sel, c_sel] = lp64[sel]
+
+
+def _check_finite(lp64: np.ndarray, rowidx: np.ndarray, where: str) -> None:
+    f = lp64.astype(np.float32)
+    if not np.isfinite(f).all():
+        j = int(np.flatnonzero(~np.isfinite(f))[0])
+        raise EngineBodyError(
+            f"{where}[{int(rowidx[j])}]", f"non-finite logprob {float(lp64[j])!r} (beyond float32 range)"
+        )
+
+
+def _diagnose_prompt_rows(rows: list, keys: list[str], where: str) -> None:
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
+        w = f"{where}[{i}]"
+        if not isinstance(r, dict):
+            raise EngineBodyError(w, f"expected an object or null, got {_type_name(r)}")
+        if keys[i] not in r:
+            raise EngineBodyError(w, f"no entry for the prompt token {keys[i]} at this position")
+        for key, e in r.items():
+            we = f'{w}["{key}"]'
+            if not isinstance(e, dict):
+                raise EngineBodyError(we, f"expected an object {{logprob, rank, decoded_token}}, got {_type_name(e)}")
+            if "logprob" not in e or e["logprob"] is None:
+                raise EngineBodyError(f"{we}.logprob", "missing or null")
+            if type(e["logprob"]) not in _NUMBER:
+                raise EngineBodyError(f"{we}.logprob", f"expected a number, got {_type_name(e['logprob'])}")
+
+
+def _diagnose_prompt_keys(rows: list, where: str) -> None:
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
+        for key in r:
+            if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > _INT32_MAX:
+                raise EngineBodyError(f"{where}[{i}]", f"key {key!r} is not a token id (decimal int in [0, 2^31))")
+    raise EngineBodyError(where, "malformed token id keys")  # pragma: no cover
+

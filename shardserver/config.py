@@ -1,0 +1,323 @@
+"""One frozen, typed configuration, built once in the supervisor.
+
+The configuration comes from a TOML file (``configs/*.toml``) and is then
+overridden from the environment. Every environment variable is read here and
+nowhere else: ``SHARDSERVER_<SECTION>__<KEY>`` overrides ``[section] key``
+(for example ``SHARDSERVER_SHARDS__COUNT=4``), and ``SHARDSERVER_CONFIG``
+names the file when ``--config`` is not given. The built :class:`Config` is a
+tree of frozen dataclasses handed to every child process at spawn.
+
+Units are part of the key names: ``_s`` seconds, ``_bytes`` bytes.
+Invalid values raise :class:`shardserver.errors.ConfigError`, whose message
+names the dotted key (``shards.arena_bytes``) and the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = [
+    "ServerConfig",
+    "ShardsConfig",
+    "EngineConfig",
+    "FuturesConfig",
+    "AuthConfig",
+    "Config",
+    "load_config",
+    "config_from_mapping",
+    "ENV_PREFIX",
+]
+
+ENV_PREFIX = "SHARDSERVER_"
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The HTTP side: the listening socket and the uvicorn front-end workers."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    front_ends: int = 2
+    backlog: int = 4096
+    keep_alive_s: float = 75.0
+    max_request_bytes: int = 16 * MiB
+    graceful_shutdown_s: float = 5.0
+    access_log: bool = False
+    log_level: str = "info"
+    # Secret that signs session and future IDs; empty means a random one per run.
+    id_secret: str = ""
+
+    def validate(self) -> None:
+        _check(self.port, "server.port", 0 <= self.port <= 65535, "must be 0..65535")
+        _check(self.front_ends, "server.front_ends", 1 <= self.front_ends <= 256, "must be 1..256")
+        _check(self.backlog, "server.backlog", self.backlog >= 1, "must be >= 1")
+        _check(self.keep_alive_s, "server.keep_alive_s", self.keep_alive_s > 0, "must be > 0")
+        _check(self.max_request_bytes, "server.max_request_bytes", self.max_request_bytes >= 1024, "must be >= 1024")
+        _check(self.graceful_shutdown_s, "server.graceful_shutdown_s", self.graceful_shutdown_s >= 0, "must be >= 0")
+        _check(self.log_level, "server.log_level", self.log_level in ("debug", "info", "warning", "error"),
+               "must be one of debug, info, warning, error")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardsConfig:
+    """Encoder workers: how many shards and how much shared memory each owns."""
+
+    count: int = 2
+    arena_bytes: int = 256 * MiB
+    # Seconds the supervisor waits for a worker's READY before giving up.
+    ready_timeout_s: float = 30.0
+    # Seconds a worker may be dead before the supervisor restarts it (0 = at once).
+    restart_delay_s: float = 0.0
+
+    def validate(self) -> None:
+        _check(self.count, "shards.count", 1 <= self.count <= 256, "must be 1..256")
+        _check(self.arena_bytes, "shards.arena_bytes", self.arena_bytes >= 1 * MiB, "must be >= 1 MiB (1048576)")
+        _check(self.ready_timeout_s, "shards.ready_timeout_s", self.ready_timeout_s > 0, "must be > 0")
+        _check(self.restart_delay_s, "shards.restart_delay_s", self.restart_delay_s >= 0, "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The inference engine (vLLM ``/v1/completions``) or the embedded simulator."""
+
+    # Empty: start the bundled simulator inside encoder 0's supervisor (see ``[simulator]``).
+    url: str = ""
+    # Model name sent to the engine; empty means the sampling session's base_model.
+    model: str = ""
+    timeout_s: float = 900.0
+    connect_timeout_s: float = 5.0
+    pool_size: int = 512
+    # Connection errors before the request reached the engine are retried this often.
+    connect_retries: int = 2
+    # A 5xx may come from a request that already ran; retrying it is opt-in.
+    retry_5xx: bool = False
+    # ``finish_reason: abort`` (weights being synced) is re-forwarded at most this often.
+    max_abort_resubmits: int = 2
+    # Used to bound arena reservations when a request has no max_tokens.
+    max_model_len: int = 65536
+    max_num_samples: int = 64
+
+    def validate(self) -> None:
+        _check(self.url, "engine.url", self.url == "" or self.url.startswith(("http://", "https://")),
+               "must be empty (embedded simulator) or an http(s):// URL")
+        _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
+        _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
+        _check(self.pool_size, "engine.pool_size", self.pool_size >= 1, "must be >= 1")
+        _check(self.connect_retries, "engine.connect_retries", self.connect_retries >= 0, "must be >= 0")
+        _check(self.max_abort_resubmits, "engine.max_abort_resubmits", self.max_abort_resubmits >= 0, "must be >= 0")
+        _check(self.max_model_len, "engine.max_model_len", self.max_model_len >= 1, "must be >= 1")
+        _check(self.max_num_samples, "engine.max_num_samples", self.max_num_samples >= 1, "must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class FuturesConfig:
+    """Future lifetimes (TTLs) and long-poll pacing, all in seconds."""
+
+    # The engine never answered: the future answers 410 after this.
+    pending_ttl_s: float = 3600.0
+    # Completed but never delivered.
+    completed_ttl_s: float = 1800.0
+    # Grace after delivery, so a retry after a lost response still finds the result.
+    retrieved_ttl_s: float = 120.0
+    # How long one retrieve_future poll is held before a 408 try_again (well under the SDK's 45 s).
+    long_poll_s: float = 25.0
+    # TTL sweep period.
+    sweep_interval_s: float = 1.0
+
+    def validate(self) -> None:
+        for f in ("pending_ttl_s", "completed_ttl_s", "retrieved_ttl_s", "sweep_interval_s"):
+            v = getattr(self, f)
+            _check(v, f"futures.{f}", v > 0, "must be > 0")
+        _check(self.long_poll_s, "futures.long_poll_s", 0 < self.long_poll_s < 45,
+               "must be > 0 and < 45 (the SDK abandons a poll after 45 s)")
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """API keys. ``mode = "open"`` accepts any key the SDK sends (it must start with ``tml-``)."""
+
+    mode: str = "open"
+    keys_file: str = ""
+    keys_env: str = "SHARDSERVER_API_KEYS"
+
+    def validate(self) -> None:
+        _check(self.mode, "auth.mode", self.mode in ("open", "keys"), 'must be "open" or "keys"')
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole configuration. ``simulator`` is passed to :class:`shardserver.engine_sim.SimConfig`."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    shards: ShardsConfig = field(default_factory=ShardsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    futures: FuturesConfig = field(default_factory=FuturesConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    simulator: Mapping[str, Any] = field(default_factory=dict)
+    source: str = "<defaults>"
+
+    def validate(self) -> "Config":
+        for sec in (self.server, self.shards, self.engine, self.futures, self.auth):
+            sec.validate()
+        if self.simulator:
+            from .engine_sim import SimConfig
+
+            try:
+                SimConfig.from_mapping(dict(self.simulator))
+            except (ValueError, TypeError) as exc:
+                raise ConfigError("simulator", str(exc)) from None
+        return self
+
+    @property
+    def uses_simulator(self) -> bool:
+        return self.engine.url == ""
+
+    def replace(self, section: str, **changes: Any) -> "Config":
+        """Return a copy with ``[section]`` keys changed (validated)."""
+        sec = getattr(self, section)
+        return dataclasses.replace(self, **{section: dataclasses.replace(sec, **changes)}).validate()
+
+    def as_dict(self, mask_secrets: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in _SECTIONS:
+            sec = getattr(self, name)
+            d = {f.name: getattr(sec, f.name) for f in fields(sec)}
+            if mask_secrets and name == "server" and d.get("id_secret"):
+                d["id_secret"] = "***"
+            out[name] = d
+        out["simulator"] = dict(self.simulator)
+        return out
+
+
+_SECTIONS: dict[str, type] = {
+    "server": ServerConfig,
+    "shards": ShardsConfig,
+    "engine": EngineConfig,
+    "futures": FuturesConfig,
+    "auth": AuthConfig,
+}
+
+
+def _check(value: Any, key: str, ok: bool, reason: str) -> None:
+    if not ok:
+        raise ConfigError(key, f"{reason} (got {value!r})")
+
+
+def _coerce(key: str, typ: Any, value: Any) -> Any:
+    """Convert ``value`` (from TOML or an env string) to the field type, or raise ConfigError."""
+    tname = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    from_env = isinstance(value, str)
+    try:
+        if tname == "bool":
+            if isinstance(value, bool):
+                return value
+            if from_env and value.strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if from_env and value.strip().lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tname == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, int):
+                return value
+            if from_env:
+                return int(value.strip().replace("_", ""))
+            raise ValueError
+        if tname == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, (int, float)):
+                return float(value)
+            if from_env:
+                return float(value.strip())
+            raise ValueError
+        if tname == "str":
+            if isinstance(value, str):
+                return value
+            raise ValueError
+    except ValueError:
+        pass
+    raise ConfigError(key, f"expected {tname}, got {value!r}")
+
+
+def _build_section(name: str, data: Mapping[str, Any]) -> Any:
+    cls = _SECTIONS[name]
+    kwargs: dict[str, Any] = {}
+    known = {f.name: f for f in fields(cls)}
+    for k, v in data.items():
+        if k not in known:
+            raise ConfigError(f"{name}.{k}", f"unknown key (known: {', '.join(sorted(known))})")
+        kwargs[k] = _coerce(f"{name}.{k}", known[k].type, v)
+    return cls(**kwargs)
+
+
+def config_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None = None,
+                        source: str = "<mapping>") -> Config:
+    """Build and validate a :class:`Config` from a parsed TOML mapping plus environment overrides.
+
+    Raises:
+        ConfigError: an unknown section or key, a value of the wrong type, or an invalid value.
+    """
+    merged: dict[str, dict[str, Any]] = {}
+    for sec, body in data.items():
+        if sec not in _SECTIONS and sec != "simulator":
+            raise ConfigError(sec, f"unknown section (known: {', '.join(sorted([*_SECTIONS, 'simulator']))})")
+        if not isinstance(body, Mapping):
+            raise ConfigError(sec, "must be a table")
+        merged[sec] = dict(body)
+    env = os.environ if env is None else env
+    for var, raw in env.items():
+        if not var.startswith(ENV_PREFIX) or "__" not in var:
+            continue
+        sec, _, key = var[len(ENV_PREFIX):].partition("__")
+        sec, key = sec.lower(), key.lower()
+        if sec not in _SECTIONS and sec != "simulator":
+            raise ConfigError(f"{sec}.{key}", f"unknown section in environment variable {var}")
+        merged.setdefault(sec, {})[key] = raw
+    sim = merged.pop("simulator", {})
+    # Env values for the simulator arrive as strings; numbers are parsed here, strings kept.
+    sim = {k: _parse_env_scalar(v) if isinstance(v, str) else v for k, v in sim.items()}
+    cfg = Config(**{name: _build_section(name, merged.get(name, {})) for name in _SECTIONS},
+                 simulator=sim, source=source)
+    return cfg.validate()
+
+
+def _parse_env_scalar(v: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    return v
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Load ``path`` (or ``$SHARDSERVER_CONFIG``, or the built-in defaults) and apply env overrides.
+
+    Raises:
+        ConfigError: the file is missing or not valid TOML (key ``"<file>"``), or any value is invalid.
+    """
+    env = os.environ if env is None else env
+    if path is None:
+        path = env.get(ENV_PREFIX + "CONFIG") or None
+    if path is None:
+        return config_from_mapping({}, env, source="<defaults>")
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError("<file>", f"config file {str(p)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("<file>", f"{p}: invalid TOML: {exc}") from None
+    return config_from_mapping(data, env, source=str(p))

@@ -1,0 +1,114 @@
+"""The encoder's pooled aiohttp client to the engine's ``/v1/completions``.
+
+Maps every transport outcome onto :class:`shardserver.errors.EngineError` in
+this one place:
+
+============================================ ========= ===========================
+outcome                                       category  retried here
+============================================ ========= ===========================
+connection refused / reset before sending     server    yes, ``connect_retries`` times
+HTTP 4xx (but 408, 429)                       user      no
+HTTP 408, 429 (router queue full / timed out) server    no
+HTTP 5xx                                      server    only if ``retry_5xx``
+timeout, body read error                      server    no (the engine may have run it)
+============================================ ========= ===========================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from .config import EngineConfig
+from .errors import EngineError
+
+__all__ = ["EngineClient", "engine_error_message"]
+
+
+def engine_error_message(status: int, body: bytes) -> str:
+    """A one-line message for an engine error response (vLLM JSON envelope, router text, or empty)."""
+    text = body[:2000].decode("utf-8", "replace").strip()
+    msg = text
+    try:
+        obj = json.loads(body)
+        if isinstance(obj, dict):
+            err = obj.get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                msg = err["message"]
+            elif isinstance(err, str):
+                msg = err
+            elif "detail" in obj:
+                msg = str(obj["detail"])
+            elif isinstance(obj.get("message"), str):
+                msg = obj["message"]
+    except ValueError:
+        pass
+    if not msg:
+        msg = "(empty body)"
+    return f"engine returned HTTP {status}: {msg}"
+
+
+class EngineClient:
+    """Posts completion request bodies; one instance (one connection pool) per encoder.
+
+    Args:
+        cfg: the ``[engine]`` config (timeouts in seconds, pool size in connections).
+        url: base URL of the engine (``http://host:port``), without ``/v1/completions``.
+    """
+
+    def __init__(self, cfg: EngineConfig, url: str) -> None:
+        self.cfg = cfg
+        self.url = url.rstrip("/") + "/v1/completions"
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        conn = aiohttp.TCPConnector(limit=self.cfg.pool_size, keepalive_timeout=30)
+        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s, sock_connect=self.cfg.connect_timeout_s)
+        self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=True)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def post(self, body: bytes, headers: dict[str, str]) -> bytes:
+        """POST ``body`` (JSON bytes) and return the 2xx response body bytes.
+
+        Raises:
+            EngineError: any non-2xx status, timeout or connection failure (see module table).
+        """
+        assert self._session is not None, "EngineClient.start() was not called"
+        hdrs = {"Content-Type": "application/json", **headers}
+        attempt = 0
+        while True:
+            try:
+                async with self._session.post(self.url, data=body, headers=hdrs) as resp:
+                    data = await resp.read()
+                    status = resp.status
+            except aiohttp.ClientConnectorError as exc:
+                if attempt < self.cfg.connect_retries:
+                    attempt += 1
+                    await asyncio.sleep(0.05 * 2 ** attempt)
+                    continue
+                raise EngineError(f"cannot connect to engine at {self.url}: {exc}", status=None,
+                                  category="server", retryable=True) from None
+            except asyncio.TimeoutError:
+                raise EngineError(f"engine timed out after {self.cfg.timeout_s} s (engine.timeout_s)",
+                                  status=None, category="server") from None
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+                raise EngineError(f"engine connection broke while reading the response: {exc!s}",
+                                  status=None, category="server") from None
+            except aiohttp.ClientError as exc:
+                raise EngineError(f"engine request failed: {exc!s}", status=None, category="server") from None
+            if status < 400:
+                return data
+            if status >= 500 and self.cfg.retry_5xx and attempt < self.cfg.connect_retries:
+                attempt += 1
+                await asyncio.sleep(0.05 * 2 ** attempt)
+                continue
+            # 408/429 come from a router's queue, not from a bad request.
+            user = 400 <= status < 500 and status not in (408, 429)
+            raise EngineError(engine_error_message(status, data), status=status,
+                              category="user" if user else "server")

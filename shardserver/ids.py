@@ -1,0 +1,132 @@
+"""Unguessable, self-verifying IDs for futures and sessions.
+
+A future ID (the ``request_id`` the SDK polls) is::
+
+    f<run:8 hex>-<random:32 hex>-<mac:16 hex>
+
+* ``run`` identifies the server run that issued it, so a poll for an ID of an
+  earlier run answers 410 (the SDK then resubmits) instead of 404.
+* ``random`` carries 128 random bits: one client cannot read another's result
+  by counting.
+* ``mac`` is a keyed BLAKE2b of (run, random, owner) with the run's secret:
+  an ID this run never issued (or issued to another API key) is answered 404.
+
+The owning shard is ``blake2b(id) mod S``; encoder ``s`` mints IDs by drawing
+random parts until the hash lands on ``s`` (S draws on average).
+
+Session and sampling-session IDs are signed the same way and carry what the
+front-ends need (the base model), so any front-end can serve any request with
+no shared session table.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import re
+from dataclasses import dataclass
+
+__all__ = ["IdSigner", "FutureIdStatus", "shard_of", "SamplingSession"]
+
+_FID_RE = re.compile(r"^f([0-9a-f]{8})-([0-9a-f]{32})-([0-9a-f]{16})$")
+
+
+def shard_of(id_str: str, shards: int) -> int:
+    """Shard index (0..shards-1) that owns a future ID or a dedupe key."""
+    h = hashlib.blake2b(id_str.encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % shards
+
+
+class FutureIdStatus:
+    OK = "ok"
+    FOREIGN_RUN = "foreign_run"   # well-formed, from an earlier run: 410
+    INVALID = "invalid"           # malformed or never issued: 404
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSession:
+    """What a sampling-session ID carries (mirrors the SDK's create_sampling_session fields)."""
+
+    session_id: str
+    base_model: str | None
+    model_path: str | None
+    seq: int
+
+
+class IdSigner:
+    """Mints and verifies IDs with one run's secret.
+
+    Args:
+        secret: the signing key (bytes, any length up to 64).
+        run_id: 8 lowercase hex characters naming this server run.
+    """
+
+    def __init__(self, secret: bytes, run_id: str) -> None:
+        if not re.fullmatch(r"[0-9a-f]{8}", run_id):
+            raise ValueError(f"run_id must be 8 hex characters, got {run_id!r}")
+        self._key = hashlib.blake2b(secret, digest_size=32).digest()
+        self.run_id = run_id
+
+    def _mac(self, msg: str, n: int = 8) -> str:
+        return hashlib.blake2b(msg.encode(), key=self._key, digest_size=n).hexdigest()
+
+    # -- futures ---------------------------------------------------------------------------
+    def mint_future_id(self, shard: int, shards: int, owner: str = "") -> str:
+        """A fresh future ID whose :func:`shard_of` is ``shard``."""
+        while True:
+            rnd = os.urandom(16).hex()
+            fid = f"f{self.run_id}-{rnd}-{self._mac(f'{self.run_id}.{rnd}.{owner}')}"
+            if shard_of(fid, shards) == shard:
+                return fid
+
+    def check_future_id(self, fid: object, owner: str = "") -> str:
+        """Classify a future ID: :class:`FutureIdStatus` OK, FOREIGN_RUN or INVALID."""
+        if not isinstance(fid, str):
+            return FutureIdStatus.INVALID
+        m = _FID_RE.match(fid)
+        if m is None:
+            return FutureIdStatus.INVALID
+        run, rnd, mac = m.groups()
+        if run != self.run_id:
+            return FutureIdStatus.FOREIGN_RUN
+        if not hmac.compare_digest(mac, self._mac(f"{run}.{rnd}.{owner}")):
+            return FutureIdStatus.INVALID
+        return FutureIdStatus.OK
+
+    # -- sessions --------------------------------------------------------------------------
+    def _sign_payload(self, prefix: str, payload: dict, owner: str) -> str:
+        body = base64.urlsafe_b64encode(json.dumps(payload, separators=(",", ":")).encode()).decode().rstrip("=")
+        return f"{prefix}{body}.{self._mac(f'{prefix}.{body}.{owner}', 12)}"
+
+    def _open_payload(self, prefix: str, token: object, owner: str) -> dict | None:
+        if not isinstance(token, str) or not token.startswith(prefix) or "." not in token or len(token) > 4096:
+            return None
+        body, _, mac = token[len(prefix):].rpartition(".")
+        if not hmac.compare_digest(mac, self._mac(f"{prefix}.{body}.{owner}", 12)):
+            return None
+        try:
+            return json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+        except ValueError:
+            return None
+
+    def mint_session_id(self, owner: str = "") -> str:
+        return self._sign_payload("s-", {"r": os.urandom(12).hex()}, owner)
+
+    def check_session_id(self, token: object, owner: str = "") -> bool:
+        return self._open_payload("s-", token, owner) is not None
+
+    def mint_sampling_session_id(self, sess: SamplingSession, owner: str = "") -> str:
+        return self._sign_payload(
+            "ss-", {"s": sess.session_id[-16:], "b": sess.base_model, "p": sess.model_path,
+                    "q": sess.seq, "r": os.urandom(6).hex()}, owner)
+
+    def open_sampling_session_id(self, token: object, owner: str = "") -> SamplingSession | None:
+        """The :class:`SamplingSession` a signed ID carries, or None if it is not ours."""
+        p = self._open_payload("ss-", token, owner)
+        if p is None:
+            return None
+        return SamplingSession(session_id=str(p.get("s", "")), base_model=p.get("b"),
+                               model_path=p.get("p"), seq=int(p.get("q", 0)))

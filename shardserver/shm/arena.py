@@ -1,0 +1,313 @@
+"""Shared-memory arenas: one writer (an encoder), many readers (the front-ends).
+
+An arena is a POSIX shared-memory file under ``/dev/shm`` (Linux), mapped
+with :mod:`mmap`. We open it with ``os.open`` rather than
+``multiprocessing.shared_memory`` so that no resource tracker ever unlinks a
+segment behind our back: the supervisor creates and unlinks every segment
+(:func:`create_segment`, :func:`unlink_segment`), and also removes segments
+of dead runs at start (:func:`remove_stale_segments`).
+
+Layout (all integers little-endian)::
+
+    offset 0                                   64
+    +------------------------------------------+-------------------------------+
+    | superblock: magic "SSARENA1" | u64 size  | slot | slot | free | slot | ... |
+    +------------------------------------------+-------------------------------+
+
+    one slot (64-byte aligned, ``capacity`` = 16 + payload rounded up to 64):
+    +----------------+----------------+-----------------------------+---------+
+    | u64 generation | u64 length     | payload (length bytes)      | padding |
+    +----------------+----------------+-----------------------------+---------+
+
+* Only the writer allocates and frees; the free list lives in the writer's
+  memory (:class:`ArenaWriter`), the shared file holds headers and payloads.
+* ``generation`` is a per-arena counter that never repeats. The writer sets it
+  when a slot is committed and sets it to 0 when the slot is freed.
+* A reader is told (offset, length, generation) by the writer over the control
+  channel. :meth:`ArenaReader.read` checks the header, copies the payload,
+  and checks the header again (an optimistic, seqlock-style read): if the slot
+  was freed or reused meanwhile it raises :class:`SlotInvalidError` and the
+  copy is discarded. Front-ends send that copy to the socket, so the slot is
+  never read after the copy returns and may be reused at once (Python 3.11's
+  transports copy unsent data anyway; see ARCHITECTURE.md "zero-copy").
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import re
+import struct
+
+from ..errors import SlotInvalidError
+
+__all__ = [
+    "SHM_DIR",
+    "SEGMENT_PREFIX",
+    "SLOT_HEADER",
+    "SUPERBLOCK",
+    "ALIGN",
+    "Slot",
+    "create_segment",
+    "unlink_segment",
+    "segment_name",
+    "remove_stale_segments",
+    "ArenaWriter",
+    "ArenaReader",
+]
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "shardserver-"
+MAGIC = b"SSARENA1"
+SUPERBLOCK = 64
+SLOT_HEADER = 16
+ALIGN = 64
+_HDR = struct.Struct("<QQ")
+_SB = struct.Struct("<8sQ")
+_NAME_RE = re.compile(r"^shardserver-(\d+)-([0-9a-f]{8})-a(\d+)\.(\d+)$")
+
+
+def segment_name(pid: int, run_id: str, shard: int, incarnation: int) -> str:
+    """File name (under /dev/shm) of shard ``shard``'s arena; ``pid`` is the supervisor's."""
+    return f"{SEGMENT_PREFIX}{pid}-{run_id}-a{shard}.{incarnation}"
+
+
+def create_segment(name: str, size: int) -> None:
+    """Create a zero-filled segment of ``size`` payload bytes (plus the 64-byte superblock).
+
+    Raises:
+        FileExistsError: a segment of that name exists.
+        OSError: /dev/shm is full or not writable.
+    """
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, SUPERBLOCK + size)
+        os.pwrite(fd, _SB.pack(MAGIC, size), 0)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove a segment; True if it existed. Mappings stay valid until closed."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink segments whose creating supervisor is no longer running. Returns their names."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m and not _pid_alive(int(m.group(1))) and unlink_segment(name):
+            removed.append(name)
+    return removed
+
+
+def _open_map(name: str, writable: bool) -> tuple[mmap.mmap, int]:
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        total = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, total, mmap.MAP_SHARED,
+                       mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    finally:
+        os.close(fd)
+    magic, size = _SB.unpack_from(mm, 0)
+    if magic != MAGIC or size + SUPERBLOCK != total:
+        mm.close()
+        raise ValueError(f"{path} is not a shardserver arena")
+    return mm, size
+
+
+class Slot:
+    """A committed or reserved region: ``offset`` of its header in the file, ``capacity`` bytes
+    (header included), ``length`` payload bytes, ``generation`` (0 until committed)."""
+
+    __slots__ = ("offset", "capacity", "length", "generation")
+
+    def __init__(self, offset: int, capacity: int) -> None:
+        self.offset = offset
+        self.capacity = capacity
+        self.length = 0
+        self.generation = 0
+
+    def __repr__(self) -> str:
+        return f"Slot(off={self.offset}, cap={self.capacity}, len={self.length}, gen={self.generation})"
+
+
+def _round(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class ArenaWriter:
+    """The single writer of one arena: allocates, commits and frees slots.
+
+    Not thread-safe; used from one encoder's event loop. Allocation is next-fit
+    over a free list kept sorted by offset, with neighbours coalesced on free.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._mm, self.size = _open_map(name, writable=True)
+        self._view = memoryview(self._mm)
+        self._free_offs: list[int] = [SUPERBLOCK]
+        self._free_size: dict[int, int] = {SUPERBLOCK: self.size}
+        self._rover = 0
+        self._gen = 0
+        self.used_bytes = 0
+        self.live_slots = 0
+
+    # -- accounting ---------------------------------------------------------------------
+    @property
+    def free_bytes(self) -> int:
+        return self.size - self.used_bytes
+
+    @staticmethod
+    def slot_bytes(payload: int) -> int:
+        """Arena bytes a payload of ``payload`` bytes occupies (header and alignment included)."""
+        return _round(SLOT_HEADER + payload)
+
+    def largest_free(self) -> int:
+        return max(self._free_size.values(), default=0)
+
+    # -- allocation ---------------------------------------------------------------------
+    def alloc(self, payload: int) -> Slot | None:
+        """Reserve space for ``payload`` bytes; None when no free block is large enough."""
+        need = self.slot_bytes(payload)
+        offs = self._free_offs
+        n = len(offs)
+        if n == 0:
+            return None
+        start = min(self._rover, n - 1)
+        for i in list(range(start, n)) + list(range(0, start)):
+            off = offs[i]
+            sz = self._free_size[off]
+            if sz >= need:
+                del self._free_size[off]
+                if sz == need:
+                    del offs[i]
+                    self._rover = i
+                else:
+                    offs[i] = off + need
+                    self._free_size[off + need] = sz - need
+                    self._rover = i
+                self.used_bytes += need
+                self.live_slots += 1
+                return Slot(off, need)
+        return None
+
+    def payload(self, slot: Slot, length: int) -> memoryview:
+        """Writable view of ``length`` payload bytes of a reserved slot."""
+        if SLOT_HEADER + length > slot.capacity:
+            raise ValueError(f"payload of {length} bytes does not fit slot of capacity {slot.capacity}")
+        start = slot.offset + SLOT_HEADER
+        return self._view[start:start + length]
+
+    def commit(self, slot: Slot, length: int) -> int:
+        """Publish ``length`` payload bytes; returns the slot's new generation."""
+        if SLOT_HEADER + length > slot.capacity:
+            raise ValueError(f"payload of {length} bytes does not fit slot of capacity {slot.capacity}")
+        self._gen += 1
+        slot.length = length
+        slot.generation = self._gen
+        # Length first, generation last: a reader that sees the generation sees the length.
+        struct.pack_into("<Q", self._mm, slot.offset + 8, length)
+        struct.pack_into("<Q", self._mm, slot.offset, self._gen)
+        return self._gen
+
+    def write(self, data: bytes | memoryview) -> Slot | None:
+        """Allocate, copy ``data`` in and commit; None when the arena has no room."""
+        slot = self.alloc(len(data))
+        if slot is None:
+            return None
+        self.payload(slot, len(data))[:] = data
+        self.commit(slot, len(data))
+        return slot
+
+    def free(self, slot: Slot) -> None:
+        """Invalidate the slot for readers and return its space to the free list."""
+        struct.pack_into("<Q", self._mm, slot.offset, 0)
+        off, size = slot.offset, slot.capacity
+        slot.generation = 0
+        self.used_bytes -= size
+        self.live_slots -= 1
+        offs = self._free_offs
+        i = bisect.bisect_left(offs, off)
+        # Coalesce with the following block.
+        if i < len(offs) and offs[i] == off + size:
+            size += self._free_size.pop(offs[i])
+            del offs[i]
+        # Coalesce with the preceding block.
+        if i > 0 and offs[i - 1] + self._free_size[offs[i - 1]] == off:
+            self._free_size[offs[i - 1]] += size
+        else:
+            offs.insert(i, off)
+            self._free_size[off] = size
+        if self._rover > len(offs):
+            self._rover = 0
+
+    def read(self, slot: Slot) -> bytes:
+        """Copy of a committed slot's payload (writer side, e.g. to derive JSON)."""
+        start = slot.offset + SLOT_HEADER
+        return bytes(self._view[start:start + slot.length])
+
+    def close(self) -> None:
+        self._view.release()
+        self._mm.close()
+
+
+class ArenaReader:
+    """Read-only mapping of an arena, for a front-end.
+
+    Raises:
+        FileNotFoundError: the segment does not exist (e.g. already unlinked).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._mm, self.size = _open_map(name, writable=False)
+
+    def read(self, offset: int, length: int, generation: int) -> bytes:
+        """Copy of the payload of the slot at ``offset``, validated against ``generation``.
+
+        Raises:
+            SlotInvalidError: the slot was freed or reused before or during the copy.
+        """
+        mm = self._mm
+        if offset < SUPERBLOCK or offset + SLOT_HEADER + length > SUPERBLOCK + self.size:
+            raise SlotInvalidError(f"slot at {offset} (+{length}) is outside arena {self.name}")
+        gen, ln = _HDR.unpack_from(mm, offset)
+        if gen != generation or ln != length:
+            raise SlotInvalidError(
+                f"slot at {offset} of {self.name} modified or invalid (generation {gen}, expected {generation})")
+        data = mm[offset + SLOT_HEADER: offset + SLOT_HEADER + length]
+        gen2 = _HDR.unpack_from(mm, offset)[0]
+        if gen2 != generation:
+            raise SlotInvalidError(
+                f"slot at {offset} of {self.name} was reused during the read (generation {gen2})")
+        return data
+
+    def close(self) -> None:
+        self._mm.close()

@@ -1,0 +1,436 @@
+"""Encoder workers: one process per shard, the only writer of that shard's arena.
+
+:class:`EncoderCore` is the shard's logic with no sockets: the future table,
+``(sampling_session_id, seq_id)`` dedupe, arena reservations and eviction,
+TTLs, engine calls, decode and encode. :class:`EncoderProc` wraps it in a
+process: event loop, control socket, signals, parent watch.
+
+Life of a future in a shard::
+
+    SUBMIT ──> PENDING ──engine 200──> decode ──> encode into arena ──> DONE ──DELIVERED──> (retrieved TTL) ──> freed
+                  │  └─ finish_reason abort ──> re-forward (engine.max_abort_resubmits) ──> GONE (410)
+                  └─ engine 4xx ──> FAILED(user);  5xx / timeout / bad body ──> FAILED(server)
+
+Arena space is reserved at SUBMIT for the largest result the request can
+produce, so a completion always finds room; when the arena cannot hold the
+reservation, delivered results in their grace window are evicted oldest
+first, and if that is not enough the SUBMIT is refused (the front-end
+answers 429). Undelivered results are never evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..codec import CompletionDecoder, encode_sample_response, sample_response_size, sample_response_to_json
+from ..config import Config
+from ..control import Kind, serve_control
+from ..engine_client import EngineClient
+from ..errors import EngineBodyError, EngineError
+from ..ids import IdSigner
+from ..shm.arena import ArenaWriter, Slot
+
+__all__ = ["EncoderCore", "EncoderProc", "FutureEntry"]
+
+log = logging.getLogger("shardserver.encoder")
+
+PENDING, DONE, FAILED, GONE = "pending", "done", "failed", "gone"
+
+
+@dataclass(slots=True, eq=False)
+class FutureEntry:
+    """One future in a shard's table. Holds no request body (the engine task does, while it runs)."""
+
+    fid: str
+    key: tuple[str, int] | None
+    state: str = PENDING
+    created: float = 0.0
+    deadline: float = 0.0
+    reserved: int = 0
+    slot: Slot | None = None
+    json_slot: Slot | None = None
+    error: str = ""
+    category: str = ""
+    gone_reason: str = ""
+    delivered: bool = False
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+
+class EncoderCore:
+    """The logic of one shard.
+
+    Args:
+        cfg: the whole config (``futures``, ``engine`` and ``shards`` sections are used).
+        shard: this shard's index.
+        arena: the writer of this shard's arena.
+        engine: a started :class:`EngineClient`.
+        signer: mints future IDs that hash to this shard.
+    """
+
+    def __init__(self, cfg: Config, shard: int, arena: ArenaWriter, engine: EngineClient, signer: IdSigner) -> None:
+        self.cfg = cfg
+        self.shard = shard
+        self.arena = arena
+        self.engine = engine
+        self.signer = signer
+        self.decoder = CompletionDecoder()
+        self.table: dict[str, FutureEntry] = {}
+        self.by_key: dict[tuple[str, int], str] = {}
+        # Delivered results in delivery order: the eviction queue.
+        self.delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.reserved_bytes = 0
+        self._heap: list[tuple[float, int, str]] = []
+        self._heap_seq = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.decode_encode_s = 0.0
+
+    # -- helpers -------------------------------------------------------------------------
+    def _set_deadline(self, e: FutureEntry, ttl: float) -> None:
+        e.deadline = time.monotonic() + ttl
+        self._heap_seq += 1
+        heapq.heappush(self._heap, (e.deadline, self._heap_seq, e.fid))
+
+    def _wake(self, e: FutureEntry) -> None:
+        waiters, e.waiters = e.waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    def _release(self, e: FutureEntry) -> None:
+        if e.reserved:
+            self.reserved_bytes -= e.reserved
+            e.reserved = 0
+        for s in (e.slot, e.json_slot):
+            if s is not None:
+                self.arena.free(s)
+        e.slot = e.json_slot = None
+
+    def _drop(self, e: FutureEntry) -> None:
+        """Remove an entry entirely (expiry or eviction); later polls answer 410."""
+        self.table.pop(e.fid, None)
+        if e.key is not None and self.by_key.get(e.key) == e.fid:
+            del self.by_key[e.key]
+        self.delivered.pop(e.fid, None)
+        if e.task is not None and not e.task.done():
+            e.task.cancel()
+        self._release(e)
+        e.state = GONE
+        e.gone_reason = e.gone_reason or "expired"
+        self._wake(e)
+
+    def _evict_delivered_until(self, fits) -> bool:
+        """Evict delivered results, oldest delivery first, until ``fits()`` is true."""
+        while not fits():
+            if not self.delivered:
+                return False
+            fid, _ = self.delivered.popitem(last=False)
+            e = self.table.get(fid)
+            if e is not None:
+                e.gone_reason = "evicted"
+                self._drop(e)
+                self.counters["evicted"] += 1
+        return True
+
+    # -- SUBMIT --------------------------------------------------------------------------
+    def submit(self, meta: dict[str, Any], body: bytes) -> dict[str, Any]:
+        """Register a sample request and start its engine call.
+
+        ``meta``: sid (str), seq (int), owner (str), n (int), prompt_logprobs (bool), topk (int),
+        reserve_bytes (int: the largest SampleResponse this request can produce), prompt
+        (list[int] or absent). ``body``: the engine request JSON bytes.
+
+        Returns ``{"request_id": fid}`` (also for a duplicate (sid, seq)), or
+        ``{"status": 429|400, "message": ...}`` when the arena cannot take the reservation.
+        """
+        key = (meta["sid"], int(meta["seq"]))
+        fid = self.by_key.get(key)
+        if fid is not None and fid in self.table:
+            self.counters["deduplicated"] += 1
+            return {"request_id": fid, "duplicate": True}
+        need = ArenaWriter.slot_bytes(int(meta["reserve_bytes"]))
+        if need > self.arena.size:
+            return {"status": 400, "message": (
+                f"the result of this request can reach {need} bytes, more than the shard's arena "
+                f"({self.arena.size} bytes, shards.arena_bytes); lower max_tokens or num_samples")}
+        size = self.arena.size
+        if not self._evict_delivered_until(lambda: self.arena.used_bytes + self.reserved_bytes + need <= size):
+            self.counters["rejected_429"] += 1
+            return {"status": 429, "message": (
+                f"shard {self.shard} arena is full ({self.arena.used_bytes} bytes used, "
+                f"{self.reserved_bytes} reserved of {size}); retry later")}
+        fid = self.signer.mint_future_id(self.shard, self.cfg.shards.count, meta.get("owner", ""))
+        e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserved=need)
+        self.reserved_bytes += need
+        self.table[fid] = e
+        self.by_key[key] = fid
+        self._set_deadline(e, self.cfg.futures.pending_ttl_s)
+        prompt = meta.get("prompt")
+        prompt_arr = np.asarray(prompt, dtype=np.int32) if prompt is not None else None
+        e.task = asyncio.get_running_loop().create_task(
+            self._run(e, body, meta["sid"], int(meta["n"]), bool(meta.get("prompt_logprobs")),
+                      int(meta.get("topk", 0)), prompt_arr),
+            name=f"engine-call-{fid[:16]}")
+        self.counters["submitted"] += 1
+        return {"request_id": fid}
+
+    async def _run(self, e: FutureEntry, body: bytes, sid: str, n: int, want_plp: bool, topk: int,
+                   prompt: np.ndarray | None) -> None:
+        headers = {"X-Session-ID": sid, "X-Request-Id": e.fid}
+        aborts = 0
+        try:
+            while True:
+                try:
+                    data = await self.engine.post(body, headers)
+                except EngineError as exc:
+                    self._fail(e, str(exc), exc.category)
+                    return
+                t0 = time.perf_counter()
+                try:
+                    dc = self.decoder.decode(data, num_samples=n, prompt_token_ids=prompt,
+                                             prompt_logprobs=want_plp, topk_prompt_logprobs=topk)
+                except EngineBodyError as exc:
+                    self._fail(e, str(exc), "server")
+                    return
+                del data
+                if dc.aborted:
+                    aborts += 1
+                    self.counters["engine_aborts"] += 1
+                    if aborts > self.cfg.engine.max_abort_resubmits:
+                        self._gone(e, f"engine aborted the request {aborts} times "
+                                      f"(engine.max_abort_resubmits={self.cfg.engine.max_abort_resubmits})")
+                        return
+                    continue
+                body = b""  # nothing more to send: keep no request body
+                self._store(e, dc)
+                self.decode_encode_s += time.perf_counter() - t0
+                return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must fail this future, not hang it
+            log.exception("engine task for %s failed", e.fid)
+            self._fail(e, f"internal error: {exc}", "server")
+
+    def _store(self, e: FutureEntry, dc) -> None:
+        size = sample_response_size(dc)
+        self.reserved_bytes -= e.reserved
+        e.reserved = 0
+        slot = self.arena.alloc(size)
+        if slot is None and self._evict_delivered_until(lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(size)):
+            slot = self.arena.alloc(size)
+        if slot is None:
+            self.counters["arena_fragmented"] += 1
+            self._fail(e, f"no contiguous arena space for a {size}-byte result (shard {self.shard})", "server")
+            return
+        n = encode_sample_response(dc, self.arena.payload(slot, size), 0)
+        if n != size:
+            self.arena.free(slot)
+            self._fail(e, f"internal error: encoder wrote {n} bytes, expected {size}", "server")
+            return
+        self.arena.commit(slot, size)
+        e.slot = slot
+        e.state = DONE
+        self.counters["completed"] += 1
+        self._set_deadline(e, self.cfg.futures.completed_ttl_s)
+        self._wake(e)
+
+    def _fail(self, e: FutureEntry, msg: str, category: str) -> None:
+        if e.state != PENDING:
+            return
+        self._release(e)
+        e.state, e.error, e.category = FAILED, msg, category
+        self.counters[f"failed_{category}"] += 1
+        self._set_deadline(e, self.cfg.futures.completed_ttl_s)
+        self._wake(e)
+
+    def _gone(self, e: FutureEntry, reason: str) -> None:
+        self._release(e)
+        e.state, e.gone_reason = GONE, reason
+        self.counters["gone"] += 1
+        self._set_deadline(e, self.cfg.futures.completed_ttl_s)
+        self._wake(e)
+
+    # -- POLL ----------------------------------------------------------------------------
+    async def poll(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Answer where a future's bytes are, waiting up to ``meta["timeout"]`` s while it is pending."""
+        fid = meta["fid"]
+        e = self.table.get(fid)
+        if e is None:
+            return {"state": GONE, "reason": "unknown or expired future (its result was not kept)"}
+        if e.state == PENDING:
+            timeout = min(float(meta.get("timeout", 0)), self.cfg.futures.long_poll_s)
+            if timeout > 0:
+                w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                e.waiters.append(w)
+                try:
+                    await asyncio.wait_for(w, timeout)
+                except asyncio.TimeoutError:
+                    pass
+                finally:
+                    if w in e.waiters:
+                        e.waiters.remove(w)
+        return self._answer(e, meta.get("want", "proto"))
+
+    def _answer(self, e: FutureEntry, want: str) -> dict[str, Any]:
+        if e.state == PENDING:
+            return {"state": PENDING}
+        if e.state == FAILED:
+            return {"state": FAILED, "error": e.error, "category": e.category}
+        if e.state == GONE or e.slot is None:
+            return {"state": GONE, "reason": e.gone_reason or "result no longer held"}
+        slot = e.slot
+        if want == "json":
+            if e.json_slot is None:
+                js = sample_response_to_json(self.arena.read(e.slot))
+                e.json_slot = self.arena.write(js)
+                if e.json_slot is None:
+                    self._evict_delivered_until(lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(len(js)))
+                    e.json_slot = self.arena.write(js)
+                if e.json_slot is None:
+                    return {"state": "busy", "reason": "no arena space for the JSON form; retry"}
+            slot = e.json_slot
+        return {"state": DONE, "arena": self.arena.name, "off": slot.offset, "len": slot.length,
+                "gen": slot.generation}
+
+    def delivered_ok(self, fid: str) -> None:
+        """The front-end sent this future's result to a connected client: start the retrieved TTL."""
+        e = self.table.get(fid)
+        if e is None or e.state not in (DONE, FAILED):
+            return
+        if not e.delivered:
+            e.delivered = True
+            self.counters["delivered"] += 1
+        if e.state == DONE:
+            self.delivered[fid] = None
+            self.delivered.move_to_end(fid)
+        self._set_deadline(e, self.cfg.futures.retrieved_ttl_s)
+
+    # -- TTL sweep -----------------------------------------------------------------------
+    def sweep(self, now: float | None = None) -> int:
+        """Drop entries whose TTL passed; returns how many."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            deadline, _, fid = heapq.heappop(heap)
+            e = self.table.get(fid)
+            if e is None or e.deadline != deadline:
+                continue
+            e.gone_reason = "expired"
+            self._drop(e)
+            self.counters["expired"] += 1
+            n += 1
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        states = collections.Counter(e.state for e in self.table.values())
+        return {
+            "shard": self.shard,
+            "pid": os.getpid(),
+            "futures": dict(states),
+            "delivered_held": len(self.delivered),
+            "arena_bytes": self.arena.size,
+            "arena_used_bytes": self.arena.used_bytes,
+            "arena_reserved_bytes": self.reserved_bytes,
+            "decode_encode_s": self.decode_encode_s,
+            "counters": dict(self.counters),
+        }
+
+    async def handle(self, kind: int, meta: dict[str, Any], blob: bytes) -> dict[str, Any] | None:
+        """Dispatch one control message (see :mod:`shardserver.control`)."""
+        if kind == Kind.POLL:
+            return await self.poll(meta)
+        if kind == Kind.SUBMIT:
+            return self.submit(meta, blob)
+        if kind == Kind.DELIVERED:
+            self.delivered_ok(meta["fid"])
+            return None
+        if kind == Kind.STATS:
+            return self.stats()
+        return {"state": FAILED, "error": f"unknown control message kind {kind}", "category": "server"}
+
+    def fail_all(self, why: str) -> None:
+        for e in list(self.table.values()):
+            if e.state == PENDING:
+                self._gone(e, why)
+
+
+class EncoderProc:
+    """Process wrapper: ``EncoderProc.run`` is the only spawn target of an encoder."""
+
+    @staticmethod
+    def run(cfg: Config, shard: int, arena_name: str, sock_path: str, engine_url: str,
+            secret: bytes, run_id: str, ready_conn, parent_pid: int) -> None:
+        from ._subprocess import child_setup
+
+        child_setup(f"encoder {shard}", cfg)
+        try:
+            import uvloop
+
+            uvloop.run(EncoderProc._main(cfg, shard, arena_name, sock_path, engine_url, secret, run_id,
+                                         ready_conn, parent_pid))
+        except KeyboardInterrupt:
+            pass
+
+    @staticmethod
+    async def _main(cfg: Config, shard: int, arena_name: str, sock_path: str, engine_url: str,
+                    secret: bytes, run_id: str, ready_conn, parent_pid: int) -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        arena = ArenaWriter(arena_name)
+        engine = EngineClient(cfg.engine, engine_url)
+        await engine.start()
+        core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id))
+        try:
+            os.unlink(sock_path)
+        except FileNotFoundError:
+            pass
+        server = await serve_control(sock_path, core.handle)
+        ready_conn.send(("ready", shard, os.getpid()))
+        ready_conn.close()
+        log.info("encoder %d ready: arena %s (%d bytes), engine %s", shard, arena_name, arena.size, engine_url)
+
+        async def sweeper() -> None:
+            while True:
+                await asyncio.sleep(cfg.futures.sweep_interval_s)
+                core.sweep()
+                if os.getppid() != parent_pid:  # the supervisor died (SIGKILL): leave
+                    log.warning("encoder %d: supervisor %d is gone, exiting", shard, parent_pid)
+                    stop.set()
+
+        sweep_task = loop.create_task(sweeper(), name=f"encoder-{shard}-sweeper")
+        try:
+            await stop.wait()
+        finally:
+            sweep_task.cancel()
+            server.close()
+            core.fail_all("server shutting down")
+            for e in list(core.table.values()):
+                if e.task is not None:
+                    e.task.cancel()
+            await engine.close()
+            try:
+                arena.close()
+            except BufferError:  # a view is still exported; the mapping goes with the process
+                pass
+            if os.getppid() != parent_pid:
+                from ..shm.arena import unlink_segment
+
+                unlink_segment(arena_name)
+            try:
+                os.unlink(sock_path)
+            except FileNotFoundError:
+                pass
+            log.info("encoder %d stopped", shard)

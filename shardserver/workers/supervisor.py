@@ -1,0 +1,298 @@
+"""The supervisor: owns every child process and every ``/dev/shm`` name of a run.
+
+``Supervisor(cfg).run()`` is ``shardserver serve``:
+
+1. remove segments and run directories left by dead runs;
+2. bind the one listening socket (``server.backlog``);
+3. start the engine simulator when ``engine.url`` is empty;
+4. create one arena per shard and start S encoders; wait for each READY
+   (``shards.ready_timeout_s``), failing fast with the exit code of a child
+   that died during start;
+5. start F front-ends on the shared socket;
+6. watch the children's sentinels: a dead encoder gets a fresh arena and is
+   restarted (its futures are lost and answer 410); a dead front-end is
+   restarted;
+7. on SIGTERM/SIGINT: stop the front-ends (graceful, bounded by
+   ``server.graceful_shutdown_s``), then the encoders and the simulator,
+   kill what is left, unlink every segment, remove the run directory.
+
+Signal handlers only record the signal; the main loop does the work.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..config import Config
+from ..shm.arena import create_segment, remove_stale_segments, segment_name, unlink_segment
+
+__all__ = ["Supervisor", "ChildSpec", "StartupError"]
+
+log = logging.getLogger("shardserver.supervisor")
+_CTX = mp.get_context("spawn")
+RUN_DIR_PREFIX = "shardserver-run-"
+
+
+class StartupError(RuntimeError):
+    """A child failed to start (it exited, or did not report READY in time)."""
+
+
+@dataclass
+class ChildSpec:
+    role: str           # "encoder", "front-end", "engine-sim"
+    index: int
+    proc: Any = None
+    incarnation: int = 0
+    restarts: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.index}" if self.role != "engine-sim" else self.role
+
+
+def _bind(host: str, port: int, backlog: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _remove_stale_run_dirs() -> None:
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        if not name.startswith(RUN_DIR_PREFIX):
+            continue
+        try:
+            pid = int(name[len(RUN_DIR_PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        except (ValueError, PermissionError, OSError):
+            continue
+
+
+def shutdown_procs(procs: list[Any], timeout: float) -> None:
+    """Terminate every process, join against one shared deadline, then kill survivors.
+
+    A module-level function (not a method) so it can serve as a finalizer.
+    """
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            log.warning("[shutdown] pid %s did not stop in %.1f s: killing", p.pid, timeout)
+            p.kill()
+            p.join(2)
+
+
+class Supervisor:
+    """Runs one gateway instance. ``run()`` blocks until SIGTERM/SIGINT or :meth:`request_stop`.
+
+    Args:
+        cfg: the validated configuration.
+        on_ready: called with the bound (host, port) once every child is READY.
+    """
+
+    def __init__(self, cfg: Config, on_ready: Callable[[str, int], None] | None = None) -> None:
+        self.cfg = cfg
+        self.on_ready = on_ready
+        self.pid = os.getpid()
+        self.run_id = os.urandom(4).hex()
+        self.secret = cfg.server.id_secret.encode() if cfg.server.id_secret else os.urandom(32)
+        self.run_dir = ""
+        self.sock: socket.socket | None = None
+        self.sim_sock: socket.socket | None = None
+        self.engine_url = cfg.engine.url
+        self.encoders: list[ChildSpec] = []
+        self.front_ends: list[ChildSpec] = []
+        self.sim: ChildSpec | None = None
+        self.segments: set[str] = set()
+        self._signals: list[int] = []
+        self._stopping = False
+        self.address: tuple[str, int] | None = None
+
+    # -- signals -------------------------------------------------------------------------
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signals.append(signum)
+
+    def request_stop(self) -> None:
+        self._signals.append(signal.SIGTERM)
+
+    # -- children ------------------------------------------------------------------------
+    def _sock_path(self, shard: int) -> str:
+        return os.path.join(self.run_dir, f"enc-{shard}.sock")
+
+    def _start_encoder(self, spec: ChildSpec) -> mpc.Connection:
+        from .encoder import EncoderProc
+
+        name = segment_name(self.pid, self.run_id, spec.index, spec.incarnation)
+        create_segment(name, self.cfg.shards.arena_bytes)
+        self.segments.add(name)
+        spec.extra["arena"] = name
+        parent_conn, child_conn = _CTX.Pipe(duplex=False)
+        spec.proc = _CTX.Process(
+            target=EncoderProc.run, name=f"shardserver-encoder-{spec.index}", daemon=False,
+            args=(self.cfg, spec.index, name, self._sock_path(spec.index), self.engine_url, self.secret,
+                  self.run_id, child_conn, self.pid))
+        spec.proc.start()
+        child_conn.close()
+        return parent_conn
+
+    def _start_front_end(self, spec: ChildSpec) -> None:
+        from .frontend import FrontendProc
+
+        spec.proc = _CTX.Process(
+            target=FrontendProc.run, name=f"shardserver-front-end-{spec.index}", daemon=False,
+            args=(self.cfg, spec.index, self.sock, [self._sock_path(s) for s in range(self.cfg.shards.count)],
+                  self.secret, self.run_id, self.pid))
+        spec.proc.start()
+
+    def _start_sim(self) -> None:
+        from .simproc import run_sim_process
+
+        self.sim_sock = _bind("127.0.0.1", 0, 4096)
+        port = self.sim_sock.getsockname()[1]
+        self.engine_url = f"http://127.0.0.1:{port}"
+        self.sim = ChildSpec("engine-sim", 0)
+        self.sim.proc = _CTX.Process(target=run_sim_process, name="shardserver-engine-sim",
+                                     args=(self.sim_sock, dict(self.cfg.simulator), self.cfg.server.log_level,
+                                           self.pid))
+        self.sim.proc.start()
+
+    def _wait_ready(self, spec: ChildSpec, conn: mpc.Connection) -> None:
+        deadline = time.monotonic() + self.cfg.shards.ready_timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StartupError(f"{spec.name} did not report READY within {self.cfg.shards.ready_timeout_s} s "
+                                       "(shards.ready_timeout_s)")
+                ready = mpc.wait([conn, spec.proc.sentinel], timeout=left)
+                if conn in ready:
+                    try:
+                        conn.recv()
+                        return
+                    except EOFError:
+                        pass
+                if spec.proc.sentinel in ready or not spec.proc.is_alive():
+                    spec.proc.join(1)
+                    raise StartupError(f"worker {spec.name} exited with code {spec.proc.exitcode} during start")
+        finally:
+            conn.close()
+
+    # -- main loop -----------------------------------------------------------------------
+    def run(self) -> int:
+        """Start everything, supervise until a stop signal, shut down. Returns the exit code."""
+        cfg = self.cfg
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            removed = remove_stale_segments()
+            if removed:
+                log.info("removed %d shared-memory segments of dead runs", len(removed))
+            _remove_stale_run_dirs()
+            self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{self.pid}-")
+            self.sock = _bind(cfg.server.host, cfg.server.port, cfg.server.backlog)
+            host, port = self.sock.getsockname()[:2]
+            self.address = (host, port)
+            if cfg.uses_simulator:
+                self._start_sim()
+            self.encoders = [ChildSpec("encoder", s) for s in range(cfg.shards.count)]
+            conns = [self._start_encoder(e) for e in self.encoders]
+            for e, c in zip(self.encoders, conns):
+                self._wait_ready(e, c)
+            self.front_ends = [ChildSpec("front-end", i) for i in range(cfg.server.front_ends)]
+            for f in self.front_ends:
+                self._start_front_end(f)
+            log.info("shardserver %s listening on http://%s:%d (%d encoders, %d front-ends, engine %s)",
+                     self.run_id, host, port, cfg.shards.count, cfg.server.front_ends, self.engine_url)
+            if self.on_ready is not None:
+                self.on_ready(host, port)
+            self._supervise()
+            return 0
+        except StartupError as exc:
+            log.error("%s", exc)
+            return 1
+        finally:
+            self._shutdown()
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+
+    def _supervise(self) -> None:
+        while not self._signals:
+            children = [c for c in (*self.encoders, *self.front_ends, *([self.sim] if self.sim else []))]
+            sentinels = {c.proc.sentinel: c for c in children if c.proc is not None}
+            ready = mpc.wait(list(sentinels), timeout=0.2)
+            if self._signals:
+                break
+            for s in ready:
+                child = sentinels[s]
+                child.proc.join(0.1)
+                self._restart(child)
+
+    def _restart(self, child: ChildSpec) -> None:
+        code = child.proc.exitcode
+        child.restarts += 1
+        log.warning("%s (pid %s) exited with code %s: restarting (restart #%d)",
+                    child.name, child.proc.pid, code, child.restarts)
+        if child.role == "encoder":
+            old = child.extra.get("arena")
+            if old:
+                unlink_segment(old)
+                self.segments.discard(old)
+            child.incarnation += 1
+            conn = self._start_encoder(child)
+            try:
+                self._wait_ready(child, conn)
+            except StartupError as exc:
+                log.error("%s", exc)
+        elif child.role == "front-end":
+            self._start_front_end(child)
+        else:
+            log.error("the engine simulator died (code %s); restarting it", code)
+            from .simproc import run_sim_process
+
+            child.proc = _CTX.Process(target=run_sim_process, name="shardserver-engine-sim",
+                                      args=(self.sim_sock, dict(self.cfg.simulator), self.cfg.server.log_level,
+                                            self.pid))
+            child.proc.start()
+
+    def _shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        log.info("[shutdown] supervisor: stopping front-ends")
+        grace = self.cfg.server.graceful_shutdown_s + 2.0
+        shutdown_procs([f.proc for f in self.front_ends if f.proc is not None], grace)
+        log.info("[shutdown] supervisor: stopping encoders")
+        shutdown_procs([e.proc for e in self.encoders if e.proc is not None], 3.0)
+        if self.sim is not None and self.sim.proc is not None:
+            shutdown_procs([self.sim.proc], 3.0)
+        for name in list(self.segments):
+            unlink_segment(name)
+        self.segments.clear()
+        for s in (self.sock, self.sim_sock):
+            if s is not None:
+                s.close()
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        log.info("[shutdown] supervisor: done")
+        sys.stderr.flush()
