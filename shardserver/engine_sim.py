@@ -710,29 +710,35 @@ def _sample_choice(req: _Req, cfg: SimConfig, vocab: _FakeVocab, phash: bytes, i
         steps = 1 + (u * 997).astype(np.int64)
         alt_ids = (t1_ids[:, None] + np.cumsum(steps, axis=1)) % V
 
-    # Finish: EOS / stop token / length, earliest wins (vLLM check_stop order at equal index).
+    # Finish: EOS, an injected or naturally sampled stop-token id, or length; the
+    # earliest position wins, EOS first at equal positions (vLLM's check_stop order).
+    cands: list[tuple[int, int, Any, int | None]] = []  # (position, order, stop_reason, forced id)
+    f0 = fin[:, 0]
+    lo = 0.0
+    if not req.ignore_eos and cfg.eos_probability > 0:
+        lo = cfg.eos_probability
+        hit = np.flatnonzero(f0 < cfg.eos_probability)
+        if hit.size:
+            cands.append((int(hit[0]), 0, None, eos))
+    if req.stop_token_ids:
+        sids = np.asarray(req.stop_token_ids, dtype=np.int64)
+        if cfg.stop_token_probability > 0:
+            hit = np.flatnonzero((f0 >= lo) & (f0 < lo + cfg.stop_token_probability))
+            if hit.size:
+                j = int(hit[0])
+                sid = int(sids[int(fin[j, 1] * len(sids)) % len(sids)])
+                cands.append((j, 1, sid, sid))
+        nat = np.flatnonzero(np.isin(ids, sids))
+        if nat.size:
+            j = int(nat[0])
+            cands.append((j, 2, int(ids[j]), None))
     end = M
     finish = "length"
     stop_reason: int | str | None = None
     last_id: int | None = None
-    f0 = fin[:, 0]
-    if not req.ignore_eos and cfg.eos_probability > 0:
-        hit = np.flatnonzero(f0 < cfg.eos_probability)
-        if hit.size and hit[0] + 1 <= end:
-            end, finish, stop_reason, last_id = int(hit[0]) + 1, "stop", None, eos
-    if req.stop_token_ids:
-        sids = np.asarray(req.stop_token_ids, dtype=np.int64)
-        if cfg.stop_token_probability > 0:
-            lo = cfg.eos_probability if not req.ignore_eos else 0.0
-            hit = np.flatnonzero((f0 >= lo) & (f0 < lo + cfg.stop_token_probability))
-            if hit.size and hit[0] + 1 < end:
-                j = int(hit[0])
-                sid = int(sids[int(fin[j, 1] * len(sids)) % len(sids)])
-                end, finish, stop_reason, last_id = j + 1, "stop", sid, sid
-        nat = np.flatnonzero(np.isin(ids[:end], sids))
-        if nat.size and nat[0] + 1 <= end and not (last_id is not None and nat[0] + 1 == end):
-            j = int(nat[0])
-            end, finish, stop_reason, last_id = j + 1, "stop", int(ids[j]), None
+    if cands:
+        j, _, stop_reason, last_id = min(cands, key=lambda c: (c[0], c[1]))
+        end, finish = j + 1, "stop"
     ids = ids[:end]
     if last_id is not None:
         ids[end - 1] = last_id

@@ -107,13 +107,14 @@ class ResultResponse(Response):
         self._on_delivered = on_delivered
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
-        # The request body was read already, so the next receive() only returns on disconnect.
+        # The request body was read already, so a pending receive() completes only on disconnect
+        # (or, in uvicorn, once the response is complete): look before writing.
         watch = asyncio.ensure_future(receive())
         try:
+            await asyncio.sleep(0)
+            lost = watch.done()
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": self.body})
-            await asyncio.sleep(0)
-            lost = watch.done() and not watch.cancelled() and watch.result().get("type") == "http.disconnect"
         finally:
             watch.cancel()
         if not lost:

@@ -1,0 +1,172 @@
+"""Run a real gateway as a subprocess on loopback (used by the tests, the demo and the benchmarks).
+
+:class:`RunningServer` starts ``python -m shardserver.cli serve`` on a free
+port, waits for its ready line and for ``/readyz``, fails at once if the
+process exits early, and on exit stops it with SIGTERM, then waits, then kills.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunningServer", "http_json", "our_shm_segments", "our_processes"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def http_json(url: str, body: Any = None, headers: dict[str, str] | None = None,
+              timeout: float = 10.0, method: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP request with the standard library: (status, headers, body bytes)."""
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method or ("POST" if data is not None else "GET"))
+    req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def our_shm_segments() -> list[str]:
+    """Names of shardserver segments currently in /dev/shm."""
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith("shardserver-"))
+    except FileNotFoundError:
+        return []
+
+
+def our_processes() -> list[tuple[int, str]]:
+    """(pid, title) of every process whose title starts with ``shardserver:``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if cmd.startswith("shardserver:"):
+            out.append((int(d), cmd))
+    return out
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
+class RunningServer:
+    """Context manager running ``shardserver serve`` on 127.0.0.1 and a free port.
+
+    Args:
+        config: path of the TOML config (default ``configs/demo.toml``).
+        env: extra environment (``SHARDSERVER_<SECTION>__<KEY>`` overrides).
+        args: extra ``serve`` flags.
+        start_timeout: seconds to wait for readiness.
+    """
+
+    def __init__(self, config: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
+                 args: list[str] | None = None, start_timeout: float = 60.0) -> None:
+        self.config = str(config or REPO / "configs" / "demo.toml")
+        self.env = env or {}
+        self.args = args or []
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.port = 0
+        self.log_lines: list[str] = []
+        self.leftover_processes = False
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> "RunningServer":
+        env = {**os.environ, **self.env}
+        cmd = [sys.executable, "-m", "shardserver.cli", "serve", "--config", self.config,
+               "--host", "127.0.0.1", "--port", "0", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     cwd=str(REPO), start_new_session=True)
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.log_lines.append(line.rstrip("\n"))
+                if line.startswith("shardserver ready on "):
+                    self.url = line.split()[-1].strip()
+                    ready.set()
+                if os.environ.get("SHARDSERVER_TEST_ECHO"):
+                    sys.stderr.write(line)
+
+        self._reader = threading.Thread(target=pump, name="server-log-pump", daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + self.start_timeout
+        while not ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                code = self.proc.poll()
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"server exited unexpectedly (code {code}) or did not start:\n"
+                                   + "\n".join(self.log_lines[-40:]))
+        self.port = int(self.url.rsplit(":", 1)[1])
+        while time.monotonic() < deadline:
+            try:
+                status, _, _ = http_json(self.url + "/readyz", timeout=2)
+                if status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise RuntimeError("server did not become ready:\n" + "\n".join(self.log_lines[-40:]))
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the supervisor, wait up to ``timeout`` s, then kill the whole process group."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        # Anything of the group still alive now is a leak: record it, then kill it.
+        time.sleep(0.2)
+        if _group_members(self.proc.pid):
+            self.leftover_processes = True
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._reader is not None:
+            self._reader.join(2)
+        return self.proc.returncode
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, Any]:
+        status, _, body = http_json(self.url + "/stats")
+        assert status == 200, body
+        return json.loads(body)
