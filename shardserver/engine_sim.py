@@ -221,6 +221,10 @@ class SimConfig:
             ``created`` becomes ``fixed_created``, so whole bodies are reproducible.
         fixed_created: the ``created`` value used with ``deterministic_ids``.
         cache_max_bytes: bound of the rendered-body LRU (512 MiB); 0 disables it.
+        pool_starts: number of distinct window starts in the pre-rendered token pool
+            (65536). The pool holds ``pool_starts + max_model_len`` positions (~115 B
+            each, ~15 MB and ~0.5 s to build at the defaults; rebuilt when a knob it
+            depends on changes).
         faults: tuple of :class:`FaultRule` (from JSON: a list of objects).
         fault_seed: seeds the rules' probability draws.
     """
@@ -245,6 +249,7 @@ class SimConfig:
     deterministic_ids: bool = False
     fixed_created: int = 1767225600
     cache_max_bytes: int = 512 * 1024 * 1024
+    pool_starts: int = 65536
     faults: tuple[FaultRule, ...] = ()
     fault_seed: int = 0
 
@@ -268,6 +273,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.cache_max_bytes < 0:
             raise ValueError("cache_max_bytes must be >= 0")
+        if self.pool_starts < 1:
+            raise ValueError("pool_starts must be >= 1")
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any], base: "SimConfig | None" = None) -> "SimConfig":
@@ -613,34 +620,19 @@ def _num_text(v: float) -> str:
 
 # ---------------------------------------------------------------------------------------
 # Deterministic generation
+#
+# Every generated token comes from a per-config "pool": one long pseudo-random token
+# stream (ids, float32 logprobs, top-1 flags and ids) whose JSON pieces are rendered once
+# and joined. Choice i of a request reads the window pool[a : a + T], where the start ``a``
+# is drawn from (seed + i, prompt hash); the finish position comes from geometric draws
+# (EOS, injected stop-token ids), from stop-token ids met in the window, or from stop
+# strings found in the window's text. Rendering a choice is then a handful of byte-slice
+# copies, so uncached 32k-token bodies take milliseconds.
 # ---------------------------------------------------------------------------------------
 
 
 def _prompt_hash(prompt: np.ndarray) -> bytes:
     return hashlib.blake2b(prompt.astype("<i8", copy=False).tobytes(), digest_size=16).digest()
-
-
-@dataclasses.dataclass
-class _Choice:
-    """What one choice generated, before rendering. Lengths are all ``T``."""
-
-    ids: np.ndarray  # int64 [T]
-    lps: np.ndarray  # float64 [T] (float32-rounded, clamped)
-    top1: np.ndarray  # bool [T]: sampled is the top-1
-    t1_ids: np.ndarray  # int64 [T]: top-1 id (== ids where top1)
-    t1_lps: np.ndarray  # float64 [T]
-    alt_ids: np.ndarray | None  # int64 [T, k-1]: ranks 2..k (logprobs >= 2)
-    alt_lps: np.ndarray | None
-    finish_reason: str
-    stop_reason: int | str | None
-    text: str
-
-
-@dataclasses.dataclass
-class _PromptLP:
-    """prompt_logprobs of one prompt: per position j >= 1, entries in insertion order."""
-
-    entries: list[list[tuple[int, float, int]]]  # (id, logprob, rank)
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
@@ -653,160 +645,229 @@ def _streams(entropy: list[int], count: int) -> list[np.random.Generator]:
     return [np.random.Generator(np.random.PCG64(s)) for s in ss.spawn(count)]
 
 
-def _sample_choice(req: _Req, cfg: SimConfig, vocab: _FakeVocab, phash: bytes, index: int) -> _Choice:
+_R = float.__repr__  # what json.dumps uses for finite floats
+
+
+class _Joined:
+    """Elements rendered once, UTF-8 encoded and joined with ``sep``; a run of elements is
+    one slice of ``data``."""
+
+    __slots__ = ("data", "off", "seplen")
+
+    def __init__(self, elems: list[str], sep: bytes) -> None:
+        eb = [e.encode("utf-8") for e in elems]
+        lens = np.fromiter(map(len, eb), dtype=np.int64, count=len(eb)) + len(sep)
+        off = np.zeros(len(eb) + 1, dtype=np.int64)
+        np.cumsum(lens, out=off[1:])
+        self.off = off.tolist()
+        self.data = sep.join(eb) + sep
+        self.seplen = len(sep)
+
+    def slice(self, a: int, b: int) -> bytes:
+        """Elements ``[a, b)`` joined by the separator (no trailing separator)."""
+        if b <= a:
+            return b""
+        return self.data[self.off[a]:self.off[b] - self.seplen]
+
+
+class _Pool:
+    """The shared token stream of one generation config (see the section comment)."""
+
+    def __init__(self, cfg: SimConfig, vocab: _FakeVocab) -> None:
+        N = cfg.pool_starts + cfg.max_model_len
+        V, eos = cfg.vocab_size, cfg.eos_token_id
+        s = _streams([cfg.vocab_seed & _MASK64, V, eos, 0x706F6F6C], 6)
+        ids = s[0].integers(0, V, size=N, dtype=np.int64)
+        if eos < V:
+            ids[ids == eos] = (eos + 1) % V
+        mask_u = s[1].random((N, 2))
+        top1 = mask_u[:, 0] < cfg.top1_fraction
+        E = s[2].standard_exponential((N, 2))
+        lp_top = -(E[:, 0] * 0.25)
+        lp_top[mask_u[:, 1] < 0.05] = 0.0
+        lp_non = -(_LN2 + E[:, 1] * 1.5)  # p <= 0.5, so p(sampled) + p(top-1) <= 1
+        fr = s[3].random((N, 2))
+        t1_non = np.where(fr[:, 1] < 0.03, lp_non, lp_non + (-_LN2 - lp_non) * fr[:, 0])  # ties, or in between
+        lps = _f32(np.where(top1, lp_top, lp_non))
+        t1_lps = np.where(top1, lps, _f32(t1_non))
+        t1_draw = s[4].integers(0, V, size=N, dtype=np.int64)
+        t1_draw = np.where(t1_draw == ids, (t1_draw + 1) % V, t1_draw)
+        if eos < V:
+            t1_draw[t1_draw == eos] = (eos + 2) % V
+        t1_ids = np.where(top1, ids, t1_draw)
+        cc = s[5].random((N, 2))
+        ne = len(vocab.empty_ids)
+        if cfg.collision_rate > 0 and ne >= 2:
+            coll = (~top1) & (cc[:, 1] < cfg.collision_rate)
+            first = ids[coll] % ne
+            ids[coll] = vocab.empty_ids[first]
+            t1_ids[coll] = vocab.empty_ids[(first + 1) % ne]
+        if cfg.clamp_rate > 0:
+            clamp = cc[:, 0] < cfg.clamp_rate
+            lps[clamp] = _CLAMP
+            t1_lps = np.where(top1, lps, t1_lps)
+        self.ids, self.lps, self.top1, self.t1_ids, self.t1_lps = ids, lps, top1, t1_ids, t1_lps
+        cum = np.zeros(N + 1, dtype=np.int64)
+        np.cumsum(vocab.lens[ids], out=cum[1:])
+        self.cum = cum  # code points before each position
+        esc, strs = vocab.esc, vocab.strs
+        ids_l, t1_l = ids.tolist(), t1_ids.tolist()
+        lp_s = [_R(x) for x in lps.tolist()]
+        t1_s = [_R(x) for x in t1_lps.tolist()]
+        tok = [esc[i] for i in ids_l]
+        top0 = ["{" + e + ":" + lp + "}" for e, lp in zip(tok, lp_s)]
+        top1_form = []
+        for si, ti, es, lp, tl, single in zip(ids_l, t1_l, tok, lp_s, t1_s, top0):
+            if si == ti:
+                top1_form.append(single)
+            else:
+                et = esc[ti]
+                top1_form.append("{" + es + ":" + tl + "}" if es == et else "{" + es + ":" + lp + "," + et + ":" + tl + "}")
+        self.j_ids = _Joined(list(map(str, ids_l)), b",")
+        self.j_lps = _Joined(lp_s, b",")
+        self.j_tok = _Joined(tok, b",")
+        self.j_top0 = _Joined(top0, b",")
+        self.j_top1 = _Joined(top1_form, b",")
+        self.j_text = _Joined([e[1:-1] for e in tok], b"")  # JSON escaping is per code point
+        self.j_raw = _Joined([strs[i] for i in ids_l], b"")
+        self.size = N
+
+
+@functools.lru_cache(maxsize=2)
+def _get_pool(key: tuple) -> _Pool:
+    cfg = SimConfig(**dict(key))
+    return _Pool(cfg, _vocab_for(cfg))
+
+
+_POOL_KNOBS = ("vocab_size", "eos_token_id", "vocab_seed", "top1_fraction", "clamp_rate", "collision_rate",
+               "pool_starts", "max_model_len")
+
+
+def _pool_for(cfg: SimConfig) -> _Pool:
+    return _get_pool(tuple((k, getattr(cfg, k)) for k in _POOL_KNOBS))
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice: the pool window ``[a, a + T)``, possibly with its last token replaced.
+
+    ``last``: ``(id, logprob)`` written over position ``T - 1`` (EOS or an injected stop
+    token id), rendered as a top-1 token. ``text_end``: how many leading tokens have their
+    text in ``text`` (EOS and stop-token ids don't). ``text_cut``: when set, ``text`` is the
+    first ``text_cut`` UTF-8 bytes of that text (a stop string matched there).
+    """
+
+    a: int
+    T: int
+    text_end: int
+    last: tuple[int, float] | None
+    finish_reason: str
+    stop_reason: int | str | None
+    text_cut: int | None = None
+
+
+def _first_success(u: float, p: float) -> int:
+    """0-based index of the first success of a Bernoulli(p) sequence, by inverse CDF."""
+    if p >= 1.0:
+        return 0
+    return int(math.log1p(-u) / math.log1p(-p))
+
+
+def _plan_choice(req: _Req, cfg: SimConfig, pool: _Pool, phash: bytes, index: int) -> _Choice:
     M = req.max_tokens
-    V = cfg.vocab_size
-    eos = cfg.eos_token_id
-    k = req.logprobs if req.logprobs is not None else 0
     ph = int.from_bytes(phash[:8], "little")
     if req.greedy:
         child = 0
     elif req.seed is None:
         child = (int.from_bytes(phash[8:16], "little") + index) & _MASK64
     else:
-        child = (req.seed + index) & _MASK64
-    s = _streams([child, ph, V, eos, cfg.vocab_seed & _MASK64, int(req.greedy)], 8)
-
-    ids = s[0].integers(0, V, size=M, dtype=np.int64)
-    if eos < V:
-        ids[ids == eos] = (eos + 1) % V
-    fin = s[1].random((M, 2))
-    mask_u = s[2].random((M, 2))
-    top1 = np.ones(M, dtype=bool) if req.greedy else mask_u[:, 0] < cfg.top1_fraction
-    E = s[3].standard_exponential((M, 2))
-    lp_top = -(E[:, 0] * 0.25)
-    lp_top[mask_u[:, 1] < 0.05] = 0.0
-    lp_non = -(_LN2 + E[:, 1] * 1.5)
-    fr = s[4].random((M, 2))
-    t1_non = np.where(fr[:, 1] < 0.03, lp_non, lp_non + (-_LN2 - lp_non) * fr[:, 0])
-    lps = _f32(np.where(top1, lp_top, lp_non))
-    t1_lps = np.where(top1, lps, _f32(t1_non))
-    t1_draw = s[5].integers(0, V, size=M, dtype=np.int64)
-    t1_draw = np.where(t1_draw == ids, (t1_draw + 1) % V, t1_draw)
-    if eos < V:
-        t1_draw[t1_draw == eos] = (eos + 2) % V
-    t1_ids = np.where(top1, ids, t1_draw)
-    cc = s[6].random((M, 2))
-    if cfg.collision_rate > 0 and len(vocab.empty_ids) >= 2:
-        coll = (~top1) & (cc[:, 1] < cfg.collision_rate)
-        if coll.any():
-            ne = len(vocab.empty_ids)
-            a = ids[coll] % ne
-            ids[coll] = vocab.empty_ids[a]
-            t1_ids[coll] = vocab.empty_ids[(a + 1) % ne]
-            t1_ids = np.where(top1, ids, t1_ids)
-    if cfg.clamp_rate > 0:
-        clamp = cc[:, 0] < cfg.clamp_rate
-        lps[clamp] = _CLAMP
-        t1_lps = np.where(top1, lps, t1_lps)
-
-    alt_ids = alt_lps = None
-    if k >= 2:
-        u = s[7].random((M, k - 1))
-        u_sorted = -np.sort(-u, axis=1)
-        between = lps[:, None] + (t1_lps - lps)[:, None] * u_sorted
-        below = t1_lps[:, None] - np.cumsum(0.3 + 2.0 * u, axis=1)
-        alt_lps = _f32(np.where(top1[:, None], below, between))
-        steps = 1 + (u * 997).astype(np.int64)
-        alt_ids = (t1_ids[:, None] + np.cumsum(steps, axis=1)) % V
-
-    # Finish: EOS, an injected or naturally sampled stop-token id, or length; the
-    # earliest position wins, EOS first at equal positions (vLLM's check_stop order).
-    cands: list[tuple[int, int, Any, int | None]] = []  # (position, order, stop_reason, forced id)
-    f0 = fin[:, 0]
-    lo = 0.0
+        child = (req.seed + index) & _MASK64  # vLLM parallel_sampling: child i gets seed + i
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
+        [child, ph, cfg.vocab_size, cfg.eos_token_id, cfg.vocab_seed & _MASK64, int(req.greedy)])))
+    u = rng.random(4).tolist()
+    a = min(int(u[0] * cfg.pool_starts), cfg.pool_starts - 1)
+    # Candidates (position, precedence, stop_reason, forced id); EOS first at equal positions
+    # like vLLM's check_stop.
+    cands: list[tuple[int, int, Any, int | None]] = []
     if not req.ignore_eos and cfg.eos_probability > 0:
-        lo = cfg.eos_probability
-        hit = np.flatnonzero(f0 < cfg.eos_probability)
-        if hit.size:
-            cands.append((int(hit[0]), 0, None, eos))
+        cands.append((_first_success(u[1], cfg.eos_probability), 0, None, cfg.eos_token_id))
     if req.stop_token_ids:
-        sids = np.asarray(req.stop_token_ids, dtype=np.int64)
+        sids = req.stop_token_ids
         if cfg.stop_token_probability > 0:
-            hit = np.flatnonzero((f0 >= lo) & (f0 < lo + cfg.stop_token_probability))
-            if hit.size:
-                j = int(hit[0])
-                sid = int(sids[int(fin[j, 1] * len(sids)) % len(sids)])
-                cands.append((j, 1, sid, sid))
-        nat = np.flatnonzero(np.isin(ids, sids))
+            sid = sids[min(int(u[3] * len(sids)), len(sids) - 1)]
+            cands.append((_first_success(u[2], cfg.stop_token_probability), 1, sid, sid))
+        nat = np.flatnonzero(np.isin(pool.ids[a:a + M], np.asarray(sids, dtype=np.int64)))
         if nat.size:
             j = int(nat[0])
-            cands.append((j, 2, int(ids[j]), None))
-    end = M
-    finish = "length"
-    stop_reason: int | str | None = None
-    last_id: int | None = None
+            cands.append((j, 2, int(pool.ids[a + j]), None))
+    cands = [c for c in cands if c[0] < M]
     if cands:
-        j, _, stop_reason, last_id = min(cands, key=lambda c: (c[0], c[1]))
-        end, finish = j + 1, "stop"
-    ids = ids[:end]
-    if last_id is not None:
-        ids[end - 1] = last_id
-        top1 = top1[:end].copy()
-        top1[end - 1] = True
-        t1_ids = t1_ids[:end].copy()
-        t1_ids[end - 1] = last_id
-        t1_lps = t1_lps[:end].copy()
-        t1_lps[end - 1] = lps[end - 1]
-    lps, top1, t1_ids, t1_lps = lps[:end], top1[:end], t1_ids[:end], t1_lps[:end]
-    if alt_ids is not None:
-        alt_ids, alt_lps = alt_ids[:end], alt_lps[:end]
-    choice = _Choice(ids, lps, top1, t1_ids, t1_lps, alt_ids, alt_lps, finish, stop_reason, "")
-    choice.text = _choice_text(choice, vocab, eos)
+        j, _, stop_reason, forced = min(cands, key=lambda c: (c[0], c[1]))
+        T = j + 1
+        last = None if forced is None else (forced, float(pool.lps[a + j]))
+        choice = _Choice(a, T, T - 1, last, "stop", stop_reason)
+    else:
+        choice = _Choice(a, M, M, None, "length", None)
     if req.stop:
-        _apply_stop_strings(choice, req.stop, vocab, eos)
+        _apply_stop_strings(choice, req.stop, pool)
     return choice
 
 
-def _text_ids(c: _Choice, eos: int) -> list[int]:
-    """Ids whose text is in ``text``: EOS is a special token (skip_special_tokens) and a
-    final stop-token id is dropped by the detokenizer."""
-    ids = c.ids
-    if c.finish_reason == "stop" and isinstance(c.stop_reason, int) and len(ids):
-        ids = ids[:-1]
-    return [i for i in ids.tolist() if i != eos]
-
-
-def _choice_text(c: _Choice, vocab: _FakeVocab, eos: int) -> str:
-    strs = vocab.strs
-    try:
-        return "".join([strs[i] for i in _text_ids(c, eos)])
-    except IndexError:
-        return "".join([vocab.text(i) for i in _text_ids(c, eos)])
-
-
-def _apply_stop_strings(c: _Choice, stops: tuple[str, ...], vocab: _FakeVocab, eos: int) -> None:
-    """vLLM's detokenizer stop-string check: cut ``text`` before the earliest match and
-    truncate tokens after the one that completed it."""
-    text = c.text
-    best: tuple[int, int, str] | None = None  # (match end, match start, stop)
-    for s in stops:
-        if not s:
+def _apply_stop_strings(c: _Choice, stops: tuple[str, ...], pool: _Pool) -> None:
+    """vLLM's detokenizer stop-string check: the earliest-completing match wins; tokens end
+    with the one that completed it and ``text`` is cut before the match."""
+    raw = pool.j_raw.slice(c.a, c.a + c.text_end)
+    best: tuple[int, int, int] | None = None  # (match end, match start, list position)
+    for pos, s in enumerate(stops):
+        sb = s.encode("utf-8")
+        if not sb:
             continue
-        p = text.find(s)
-        if p >= 0:
-            cand = (p + len(s), p, s)
-            if best is None or cand < best:
-                best = cand
+        p = raw.find(sb)
+        if p >= 0 and (best is None or (p + len(sb), p, pos) < best):
+            best = (p + len(sb), p, pos)
     if best is None:
         return
-    m_end, m_start, s = best
-    tids = np.asarray(_text_ids(c, eos), dtype=np.int64)
-    lens = np.array([vocab.length(int(i)) for i in tids], dtype=np.int64) if len(tids) else np.zeros(0, np.int64)
-    cum = np.cumsum(lens)
-    j_text = int(np.searchsorted(cum, m_end, side="left"))  # index among text tokens
-    # Map the j-th text token back to its index in ids.
-    pos = np.flatnonzero(c.ids != eos)
-    j = int(pos[j_text])
-    T = j + 1
-    c.ids, c.lps, c.top1, c.t1_ids, c.t1_lps = c.ids[:T], c.lps[:T], c.top1[:T], c.t1_ids[:T], c.t1_lps[:T]
-    if c.alt_ids is not None:
-        c.alt_ids, c.alt_lps = c.alt_ids[:T], c.alt_lps[:T]
-    c.finish_reason, c.stop_reason = "stop", s
-    c.text = text[:m_start]
+    m_end, m_start, pos = best
+    base = pool.j_raw.off[c.a]
+    ends = np.asarray(pool.j_raw.off[c.a + 1:c.a + c.text_end + 1], dtype=np.int64) - base
+    j = int(np.searchsorted(ends, m_end, side="left"))
+    c.T = c.text_end = j + 1
+    c.last = None
+    c.finish_reason, c.stop_reason = "stop", stops[pos]
+    c.text_cut = m_start
+
+
+def _apply_override(c: _Choice, rule: FaultRule) -> None:
+    """A ``finish_reason`` fault: keep ``rule.tokens`` tokens (default half)."""
+    keep = c.T // 2 if rule.tokens is None else min(rule.tokens, c.T)
+    if rule.finish_reason == "stop" and c.T:
+        keep = max(keep, 1)
+    if keep < c.T:
+        c.last = None
+        c.text_cut = None
+    c.T = keep
+    c.text_end = min(c.text_end, keep)
+    if rule.finish_reason == "abort":
+        c.finish_reason, c.stop_reason = "abort", None
+    elif rule.finish_reason == "repetition":
+        c.finish_reason, c.stop_reason = "repetition", "repetition_detected"
+    else:  # the last kept token completed the stop string: its text is cut
+        c.finish_reason, c.stop_reason = "stop", rule.stop_string
+        c.text_end = min(c.text_end, max(keep - 1, 0))
+        c.text_cut = None
+
+
+@dataclasses.dataclass
+class _PromptLP:
+    """prompt_logprobs of one prompt: per position j >= 1, entries in insertion order."""
+
+    entries: list[list[tuple[int, float, int]]]  # (id, logprob, rank)
 
 
 def _sample_prompt_logprobs(req: _Req, cfg: SimConfig, vocab: _FakeVocab, phash: bytes) -> _PromptLP:
+    """Per prompt position: the actual token first, then the top-k in rank order, merged by
+    id (vLLM's ``append_logprobs_for_next_position``): k entries when the actual token is
+    in the top-k, else k+1."""
     k = req.prompt_logprobs or 0
     P = len(req.prompt)
     V = cfg.vocab_size
@@ -819,79 +880,45 @@ def _sample_prompt_logprobs(req: _Req, cfg: SimConfig, vocab: _FakeVocab, phash:
     top1_lp = -(-np.log1p(-u[:, 1]) * 0.3)
     ranks = np.where(is_top1, 1, 2 + (-np.log1p(-u[:, 2]) * 30).astype(np.int64))
     clamp = u[:, 3] < cfg.clamp_rate
-    ranks = np.where(clamp, V, ranks)
-    # Rank-ordered lps for ranks 1..width (descending).
+    ranks = np.where(clamp, V, ranks)  # a -inf token ranks last (vocab size)
     ladder = top1_lp[:, None] - np.concatenate([np.zeros((P, 1)), np.cumsum(0.2 + 2.5 * a[:, 1:], axis=1)], axis=1)
     ladder = _f32(ladder)
     below = _f32(ladder[:, -1] - 0.05 - 3.0 * u[:, 4])
-    prompt = req.prompt
     steps = 1 + (a * 4999).astype(np.int64)
-    alt = (prompt[:, None] + np.cumsum(steps, axis=1)) % V
-    entries: list[list[tuple[int, float, int]]] = []
-    lad = ladder.tolist()
-    alt_l = alt.tolist()
-    below_l = below.tolist()
-    rk = ranks.tolist()
-    cl = clamp.tolist()
+    alt = (req.prompt[:, None] + np.cumsum(steps, axis=1)) % V
+    lad, alt_l, below_l, rk, cl = ladder.tolist(), alt.tolist(), below.tolist(), ranks.tolist(), clamp.tolist()
     pl = req.prompt_list
+    entries: list[list[tuple[int, float, int]]] = []
     for j in range(1, P):
-        actual = pl[j]
-        r = rk[j]
+        actual, r = pl[j], rk[j]
         if cl[j]:
             a_lp = _CLAMP
         elif r <= k or r == 1:
             a_lp = lad[j][r - 1]
         else:
             a_lp = below_l[j]
-        top: list[tuple[int, float, int]] = []
+        d: dict[int, tuple[float, int]] = {actual: (a_lp, r)}
         ai = 0
+        row_l, row_a = lad[j], alt_l[j]
         for rank in range(1, k + 1):
             if rank == r:
-                top.append((actual, a_lp, rank))
+                d[actual] = (a_lp, rank)
             else:
-                top.append((alt_l[j][ai], lad[j][rank - 1], rank))
+                d[row_a[ai]] = (row_l[rank - 1], rank)
                 ai += 1
-        # vLLM's append_logprobs_for_next_position: actual first, then top-k, merged by id.
-        d: dict[int, tuple[float, int]] = {actual: (a_lp, r)}
-        for tid, lp, rank in top:
-            d[tid] = (lp, rank)
         entries.append([(tid, v[0], v[1]) for tid, v in d.items()])
     return _PromptLP(entries)
 
 
-def _finish_override(choices: list[_Choice], rule: FaultRule, vocab: _FakeVocab, eos: int) -> None:
-    for c in choices:
-        T = len(c.ids)
-        keep = T // 2 if rule.tokens is None else min(rule.tokens, T)
-        if rule.finish_reason == "stop":
-            keep = max(keep, 1) if T else 0
-        c.ids, c.lps, c.top1, c.t1_ids, c.t1_lps = c.ids[:keep], c.lps[:keep], c.top1[:keep], c.t1_ids[:keep], c.t1_lps[:keep]
-        if c.alt_ids is not None:
-            c.alt_ids, c.alt_lps = c.alt_ids[:keep], c.alt_lps[:keep]
-        if rule.finish_reason == "abort":
-            c.finish_reason, c.stop_reason = "abort", None
-            c.text = _choice_text(c, vocab, eos)
-        elif rule.finish_reason == "repetition":
-            c.finish_reason, c.stop_reason = "repetition", "repetition_detected"
-            c.text = _choice_text(c, vocab, eos)
-        else:
-            c.finish_reason, c.stop_reason = "stop", None
-            c.text = _choice_text(c, vocab, eos)
-            if keep:
-                last = vocab.text(int(c.ids[-1])) if int(c.ids[-1]) != eos else ""
-                if last and c.text.endswith(last):
-                    c.text = c.text[: len(c.text) - len(last)]
-            c.stop_reason = rule.stop_string
-
-
 def _prompt_positions(rule: FaultRule | None, req: _Req, choices: list[_Choice]) -> int:
-    """Number of ``prompt_logprobs`` list elements to emit (including the leading null)."""
+    """Number of ``prompt_logprobs`` list elements (including the leading null): the whole
+    prompt, or fewer for an abort (the list grows per prefill chunk)."""
     P = len(req.prompt)
     if rule is None or rule.finish_reason != "abort":
         return P
     if rule.prompt_positions is not None:
         return max(1, min(rule.prompt_positions, P))
-    if all(len(c.ids) == 0 for c in choices):
+    if all(c.T == 0 for c in choices):
         return max(1, P // 2)
     return P
 
@@ -899,81 +926,125 @@ def _prompt_positions(rule: FaultRule | None, req: _Req, choices: list[_Choice])
 @dataclasses.dataclass
 class _Generated:
     req: _Req
+    pool: _Pool
+    phash: bytes
     choices: list[_Choice]
-    prompt_lp: _PromptLP | None
     prompt_positions: int
+    vocab_size: int
 
 
 def _generate(req: _Req, cfg: SimConfig, override: FaultRule | None) -> _Generated:
-    vocab = _vocab_for(cfg)
+    pool = _pool_for(cfg)
     phash = _prompt_hash(req.prompt)
-    choices = [_sample_choice(req, cfg, vocab, phash, i) for i in range(req.n)]
+    choices = [_plan_choice(req, cfg, pool, phash, i) for i in range(req.n)]
     if override is not None:
-        _finish_override(choices, override, vocab, cfg.eos_token_id)
-    plp = _sample_prompt_logprobs(req, cfg, vocab, phash) if req.prompt_logprobs is not None else None
-    return _Generated(req, choices, plp, _prompt_positions(override, req, choices))
+        for c in choices:
+            _apply_override(c, override)
+    return _Generated(req, pool, phash, choices, _prompt_positions(override, req, choices), cfg.vocab_size)
 
 
 # ---------------------------------------------------------------------------------------
-# Rendering: the dict form (reference) and the fast string form (must be byte-identical)
+# Rendering: the dict form (the reference) and the fast byte form (byte-identical to it)
 # ---------------------------------------------------------------------------------------
 
 
-def _top_entries(c: _Choice, j: int, k: int, vocab: _FakeVocab) -> dict[str, float]:
-    """``top_logprobs[j]`` as vLLM builds it: id-keyed {sampled, top1..topk}, first k+1,
-    then keyed by decoded string (later value wins, first position kept)."""
-    sid = int(c.ids[j])
-    by_id: dict[int, float] = {sid: float(c.lps[j])}
-    if k >= 1:
-        by_id[int(c.t1_ids[j])] = float(c.t1_lps[j])
-        if c.alt_ids is not None:
-            for tid, lp in zip(c.alt_ids[j].tolist(), c.alt_lps[j].tolist()):
-                by_id[tid] = lp
-    out: dict[str, float] = {}
-    for tid, lp in list(by_id.items())[: k + 1]:
-        out[vocab.text(tid)] = max(lp, _CLAMP)
+def _choice_arrays(gen: _Generated, c: _Choice) -> tuple[np.ndarray, ...]:
+    """(ids, lps, top1, t1_ids, t1_lps) of a choice, with ``last`` applied."""
+    p, a, T = gen.pool, c.a, c.T
+    ids, lps = p.ids[a:a + T].copy(), p.lps[a:a + T].copy()
+    top1 = np.ones(T, dtype=bool) if gen.req.greedy else p.top1[a:a + T].copy()
+    t1_ids, t1_lps = p.t1_ids[a:a + T].copy(), p.t1_lps[a:a + T].copy()
+    if c.last is not None and T:
+        ids[-1], lps[-1] = c.last
+        top1[-1] = True
+    t1_ids = np.where(top1, ids, t1_ids)
+    t1_lps = np.where(top1, lps, t1_lps)
+    return ids, lps, top1, t1_ids, t1_lps
+
+
+def _alternatives(c: _Choice, k: int, arrays: tuple[np.ndarray, ...], V: int) -> tuple[list, list]:
+    """Top-k ranks 2..k for ``logprobs >= 2``: ids and logprobs, shape [T][k-1]."""
+    ids, lps, top1, t1_ids, t1_lps = arrays
+    T = len(ids)
+    rng = np.random.Generator(np.random.PCG64([c.a, k, 0x616C74]))
+    u = rng.random((T, k - 1))
+    u_sorted = -np.sort(-u, axis=1)
+    between = lps[:, None] + (t1_lps - lps)[:, None] * u_sorted  # sampled ranks below top-k
+    below = t1_lps[:, None] - np.cumsum(0.3 + 2.0 * u, axis=1)
+    alt_lps = _f32(np.where(top1[:, None], below, between))
+    alt_ids = (t1_ids[:, None] + np.cumsum(1 + (u * 997).astype(np.int64), axis=1)) % V
+    return alt_ids.tolist(), alt_lps.tolist()
+
+
+def _logprobs_obj(gen: _Generated, c: _Choice, vocab: _FakeVocab) -> dict[str, Any]:
+    """``CompletionLogProbs`` of one choice, as ``_create_completion_logprobs`` builds it."""
+    k = gen.req.logprobs
+    arrays = _choice_arrays(gen, c)
+    ids, lps, top1, t1_ids, t1_lps = (x.tolist() for x in arrays)
+    alt_ids = alt_lps = None
+    if k >= 2:
+        alt_ids, alt_lps = _alternatives(c, k, arrays, gen.vocab_size)
+    toks = [vocab.text(t) for t in ids]
+    offs, acc = [], 0
+    for t in toks:
+        offs.append(acc)
+        acc += len(t)
+    top = []
+    for j in range(len(ids)):
+        by_id: dict[int, float] = {ids[j]: lps[j]}  # sampled first, then the top-k, merged by id
+        if k >= 1:
+            by_id[t1_ids[j]] = t1_lps[j]
+            if alt_ids is not None:
+                for tid, lp in zip(alt_ids[j], alt_lps[j]):
+                    by_id[tid] = lp
+        entry: dict[str, float] = {}  # keyed by decoded string: later value wins, first position kept
+        for tid, lp in list(by_id.items())[: k + 1]:
+            entry[vocab.text(tid)] = max(lp, _CLAMP)
+        top.append(entry)
+    return {
+        "text_offset": offs,
+        "token_logprobs": [max(x, _CLAMP) for x in lps],
+        "tokens": toks,
+        "top_logprobs": top,
+    }
+
+
+def _choice_text(gen: _Generated, c: _Choice, vocab: _FakeVocab) -> str:
+    ids = gen.pool.ids[c.a:c.a + c.text_end].tolist()
+    text = "".join([vocab.strs[i] for i in ids])
+    if c.text_cut is not None:
+        text = text.encode("utf-8")[: c.text_cut].decode("utf-8")
+    return text
+
+
+def _prompt_logprobs_list(gen: _Generated, cfg: SimConfig, vocab: _FakeVocab) -> list[Any]:
+    plp = _sample_prompt_logprobs(gen.req, cfg, vocab, gen.phash)
+    out: list[Any] = [None]
+    for ents in plp.entries[: gen.prompt_positions - 1]:
+        out.append({tid: {"logprob": lp, "rank": rank, "decoded_token": vocab.text(tid)} for tid, lp, rank in ents})
     return out
 
 
 def _dict_from(gen: _Generated, cfg: SimConfig, request_id: str, created: int) -> dict[str, Any]:
     vocab = _vocab_for(cfg)
     req = gen.req
-    plp_list: list[Any] | None = None
-    if gen.prompt_lp is not None:
-        plp_list = [None]
-        for ents in gen.prompt_lp.entries[: gen.prompt_positions - 1]:
-            plp_list.append(
-                {tid: {"logprob": lp, "rank": rank, "decoded_token": vocab.text(tid)} for tid, lp, rank in ents}
-            )
+    plp = _prompt_logprobs_list(gen, cfg, vocab) if req.prompt_logprobs is not None else None
     choices = []
     for i, c in enumerate(gen.choices):
-        lp_obj = None
-        if req.logprobs is not None:
-            toks = [vocab.text(t) for t in c.ids.tolist()]
-            offs, acc = [], 0
-            for t in toks:
-                offs.append(acc)
-                acc += len(t)
-            lp_obj = {
-                "text_offset": offs,
-                "token_logprobs": [max(x, _CLAMP) for x in c.lps.tolist()],
-                "tokens": toks,
-                "top_logprobs": [_top_entries(c, j, req.logprobs, vocab) for j in range(len(c.ids))],
-            }
         choices.append(
             {
                 "index": i,
-                "text": c.text,
-                "logprobs": lp_obj,
+                "text": _choice_text(gen, c, vocab),
+                "logprobs": _logprobs_obj(gen, c, vocab) if req.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "token_ids": c.ids.tolist() if req.return_token_ids else None,
-                "prompt_logprobs": plp_list,
+                "token_ids": _choice_arrays(gen, c)[0].tolist() if req.return_token_ids else None,
+                "prompt_logprobs": plp,
                 "prompt_token_ids": list(req.prompt_list) if req.return_token_ids else None,
                 "routed_experts": None,
             }
         )
-    completion_tokens = sum(len(c.ids) for c in gen.choices)
+    completion_tokens = sum(c.T for c in gen.choices)
     P = len(req.prompt)
     return {
         "id": request_id,
@@ -996,146 +1067,130 @@ def _dict_from(gen: _Generated, cfg: SimConfig, request_id: str, created: int) -
     }
 
 
-_R = float.__repr__
+def _window(j: _Joined, c: _Choice, last: bytes | None) -> bytes:
+    if last is None:
+        return j.slice(c.a, c.a + c.T)
+    head = j.slice(c.a, c.a + c.T - 1)
+    return head + b"," + last if head else last
 
 
-def _render_top_k1(c: _Choice, vocab: _FakeVocab) -> str:
-    esc = vocab.esc
-    sids = c.ids.tolist()
-    t1 = c.t1_ids.tolist()
-    lps = [_R(x) for x in c.lps.tolist()]
-    t1l = [_R(x) for x in c.t1_lps.tolist()]
-    out = []
-    append = out.append
-    for s, t, lp, tl in zip(sids, t1, lps, t1l):
-        if s == t:
-            append("{" + esc[s] + ":" + lp + "}")
-        else:
-            es, et = esc[s], esc[t]
-            if es == et:
-                append("{" + es + ":" + tl + "}")
-            else:
-                append("{" + es + ":" + lp + "," + et + ":" + tl + "}")
-    return ",".join(out)
+def _render_logprobs(gen: _Generated, c: _Choice, vocab: _FakeVocab) -> bytes:
+    k = gen.req.logprobs
+    if k >= 2:
+        return _dumps(_logprobs_obj(gen, c, vocab))
+    pool = gen.pool
+    offs = pool.cum[c.a:c.a + c.T] - pool.cum[c.a]
+    tok_last = lp_last = top_last = None
+    if c.last is not None:
+        tid, lp = c.last
+        e, r = vocab.esc_of(tid), _R(max(lp, _CLAMP))
+        tok_last, lp_last, top_last = e.encode(), r.encode(), ("{" + e + ":" + r + "}").encode()
+    top_j = pool.j_top0 if (k == 0 or gen.req.greedy) else pool.j_top1
+    return b"".join((
+        b'{"text_offset":[', ",".join(map(str, offs.tolist())).encode(),
+        b'],"token_logprobs":[', _window(pool.j_lps, c, lp_last),
+        b'],"tokens":[', _window(pool.j_tok, c, tok_last),
+        b'],"top_logprobs":[', _window(top_j, c, top_last),
+        b"]}",
+    ))
 
 
-def _render_top_general(c: _Choice, k: int, vocab: _FakeVocab) -> str:
-    out = []
-    for j in range(len(c.ids)):
-        d = _top_entries(c, j, k, vocab)
-        out.append("{" + ",".join(_jstr(key) + ":" + _R(v) for key, v in d.items()) + "}")
-    return ",".join(out)
+_PLP_CACHE: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
 
 
-def _render_choice_logprobs(c: _Choice, k: int, vocab: _FakeVocab) -> str:
-    ids = c.ids.tolist()
-    try:
-        toks = [vocab.esc[i] for i in ids]
-        lens = vocab.lens[c.ids] if len(ids) else np.zeros(0, np.int64)
-    except IndexError:
-        toks = [vocab.esc_of(i) for i in ids]
-        lens = np.array([vocab.length(i) for i in ids], dtype=np.int64)
-    offs = np.zeros(len(ids), dtype=np.int64)
-    if len(ids) > 1:
-        np.cumsum(lens[:-1], out=offs[1:])
-    if k == 0:
-        top = ",".join(["{" + t + ":" + _R(x) + "}" for t, x in zip(toks, c.lps.tolist())])
-    elif k == 1 and max(ids, default=0) < vocab.size and max(c.t1_ids.tolist(), default=0) < vocab.size:
-        top = _render_top_k1(c, vocab)
-    else:
-        top = _render_top_general(c, k, vocab)
-    return (
-        '{"text_offset":[' + ",".join(map(str, offs.tolist()))
-        + '],"token_logprobs":[' + ",".join(map(_R, c.lps.tolist()))
-        + '],"tokens":[' + ",".join(toks)
-        + '],"top_logprobs":[' + top + "]}"
-    )
-
-
-def _render_prompt_logprobs(gen: _Generated, vocab: _FakeVocab) -> str:
+def _render_prompt_logprobs(gen: _Generated, cfg: SimConfig, vocab: _FakeVocab) -> bytes:
+    key = (gen.phash, len(gen.req.prompt), gen.req.prompt_logprobs, gen.prompt_positions, cfg.vocab_size,
+           cfg.eos_token_id, cfg.vocab_seed, cfg.prompt_top1_fraction, cfg.clamp_rate)
+    hit = _PLP_CACHE.get(key)
+    if hit is not None:
+        _PLP_CACHE.move_to_end(key)
+        return hit
+    plp = _sample_prompt_logprobs(gen.req, cfg, vocab, gen.phash)
     parts = ["null"]
-    for ents in gen.prompt_lp.entries[: gen.prompt_positions - 1]:
-        parts.append(
-            "{" + ",".join(
-                f'"{tid}":{{"logprob":{_R(lp)},"rank":{rank},"decoded_token":{vocab.esc_of(tid)}}}'
-                for tid, lp, rank in ents
-            ) + "}"
-        )
-    return "[" + ",".join(parts) + "]"
+    esc_of = vocab.esc_of
+    for ents in plp.entries[: gen.prompt_positions - 1]:
+        parts.append("{" + ",".join(
+            [f'"{tid}":{{"logprob":{_R(lp)},"rank":{rank},"decoded_token":{esc_of(tid)}}}' for tid, lp, rank in ents]
+        ) + "}")
+    out = ("[" + ",".join(parts) + "]").encode("utf-8")
+    _PLP_CACHE[key] = out
+    while len(_PLP_CACHE) > 16:
+        _PLP_CACHE.popitem(last=False)
+    return out
 
 
 def _render_tail(gen: _Generated, cfg: SimConfig) -> bytes:
     """Everything after ``"created":<int>`` (starts with ``,"model":``)."""
     vocab = _vocab_for(cfg)
-    req = gen.req
-    plp = _render_prompt_logprobs(gen, vocab) if gen.prompt_lp is not None else "null"
-    pids = "[" + ",".join(map(str, req.prompt_list)) + "]" if req.return_token_ids else "null"
-    parts = [',"model":', _jstr(cfg.model_name), ',"choices":[']
+    req, pool = gen.req, gen.pool
+    plp = _render_prompt_logprobs(gen, cfg, vocab) if req.prompt_logprobs is not None else b"null"
+    pids = ("[" + ",".join(map(str, req.prompt_list)) + "]").encode() if req.return_token_ids else b"null"
+    parts = [b',"model":', _jstr(cfg.model_name).encode(), b',"choices":[']
     for i, c in enumerate(gen.choices):
         if i:
-            parts.append(",")
+            parts.append(b",")
         sr = c.stop_reason
         sr_s = "null" if sr is None else (str(sr) if isinstance(sr, int) else _jstr(sr))
+        if c.text_cut is None:
+            text = b'"' + pool.j_text.slice(c.a, c.a + c.text_end) + b'"'
+        else:
+            text = _jstr(pool.j_raw.slice(c.a, c.a + c.text_end)[: c.text_cut].decode("utf-8")).encode()
+        if req.return_token_ids:
+            token_ids = b"[" + _window(pool.j_ids, c, None if c.last is None else str(c.last[0]).encode()) + b"]"
+        else:
+            token_ids = b"null"
         parts += [
-            '{"index":', str(i),
-            ',"text":', _jstr(c.text),
-            ',"logprobs":', _render_choice_logprobs(c, req.logprobs, vocab) if req.logprobs is not None else "null",
-            ',"finish_reason":', _jstr(c.finish_reason),
-            ',"stop_reason":', sr_s,
-            ',"token_ids":', ("[" + ",".join(map(str, c.ids.tolist())) + "]") if req.return_token_ids else "null",
-            ',"prompt_logprobs":', plp,
-            ',"prompt_token_ids":', pids,
-            ',"routed_experts":null}',
+            b'{"index":', str(i).encode(),
+            b',"text":', text,
+            b',"logprobs":', _render_logprobs(gen, c, vocab) if req.logprobs is not None else b"null",
+            b',"finish_reason":', _jstr(c.finish_reason).encode(),
+            b',"stop_reason":', sr_s.encode(),
+            b',"token_ids":', token_ids,
+            b',"prompt_logprobs":', plp,
+            b',"prompt_token_ids":', pids,
+            b',"routed_experts":null}',
         ]
-    completion_tokens = sum(len(c.ids) for c in gen.choices)
+    completion_tokens = sum(c.T for c in gen.choices)
     P = len(req.prompt)
     fp = "null" if cfg.system_fingerprint is None else _jstr(cfg.system_fingerprint)
-    parts += [
-        '],"service_tier":null,"system_fingerprint":', fp,
-        ',"usage":{"prompt_tokens":', str(P),
-        ',"total_tokens":', str(P + completion_tokens),
-        ',"completion_tokens":', str(completion_tokens),
-        ',"prompt_tokens_details":null,"completion_tokens_details":null},'
-        '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}',
-    ]
-    return "".join(parts).encode("utf-8")
+    parts.append(
+        (
+            f'],"service_tier":null,"system_fingerprint":{fp},"usage":{{"prompt_tokens":{P},'
+            f'"total_tokens":{P + completion_tokens},"completion_tokens":{completion_tokens},'
+            '"prompt_tokens_details":null,"completion_tokens_details":null},'
+            '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
+        ).encode()
+    )
+    return b"".join(parts)
 
 
 def _head(request_id: str, created: int) -> bytes:
     return ('{"id":' + _jstr(request_id) + ',"object":"text_completion","created":' + str(int(created))).encode("utf-8")
 
 
+_GEN_KNOBS = ("model_name", "vocab_size", "eos_token_id", "vocab_seed", "system_fingerprint", "eos_probability",
+              "stop_token_probability", "top1_fraction", "prompt_top1_fraction", "clamp_rate", "collision_rate",
+              "pool_starts", "max_model_len")
+
+
 def _cache_key(req: _Req, cfg: SimConfig, override: FaultRule | None) -> bytes:
+    """Hash of everything the body tail depends on."""
     h = hashlib.blake2b(digest_size=24)
     h.update(req.prompt.astype("<i8", copy=False).tobytes())
-    gen_knobs = (
-        cfg.model_name, cfg.vocab_size, cfg.eos_token_id, cfg.vocab_seed, cfg.system_fingerprint,
-        cfg.eos_probability, cfg.stop_token_probability, cfg.top1_fraction, cfg.prompt_top1_fraction,
-        cfg.clamp_rate, cfg.collision_rate,
-    )
-    req_fields = (
-        req.n, req.max_tokens, req.greedy, req.seed, req.logprobs, req.prompt_logprobs, req.return_token_ids,
-        req.stop, req.stop_token_ids, req.ignore_eos,
-    )
+    req_fields = (req.n, req.max_tokens, req.greedy, req.seed, req.logprobs, req.prompt_logprobs,
+                  req.return_token_ids, req.stop, req.stop_token_ids, req.ignore_eos)
     ov = None if override is None else (override.finish_reason, override.tokens, override.prompt_positions,
                                         override.stop_string)
-    h.update(repr((gen_knobs, req_fields, ov)).encode("utf-8"))
+    h.update(repr((tuple(getattr(cfg, k) for k in _GEN_KNOBS), req_fields, ov)).encode("utf-8"))
     return h.digest()
 
 
-def _ids_for(req: _Req, cfg: SimConfig, key: bytes | None, request_id: str | None, created: int | None) -> tuple[str, int]:
+def _ids_for(cfg: SimConfig, key: bytes, request_id: str | None, created: int | None) -> tuple[str, int]:
     if request_id is None:
-        if cfg.deterministic_ids:
-            request_id = "cmpl-" + (key or _cache_key(req, cfg, None))[:8].hex()
-        else:
-            request_id = "cmpl-" + os.urandom(8).hex()
+        request_id = "cmpl-" + (key[:8].hex() if cfg.deterministic_ids else os.urandom(8).hex())
     if created is None:
         created = cfg.fixed_created if cfg.deterministic_ids else int(time.time())
     return request_id, created
-
-
-def _as_req(request: Mapping[str, Any] | _Req, cfg: SimConfig) -> _Req:
-    return request if isinstance(request, _Req) else _parse_request(dict(request), cfg)
 
 
 def render_completion(
@@ -1148,17 +1203,17 @@ def render_completion(
 ) -> bytes:
     """The exact 200 body the simulator sends for ``request`` (a decoded request JSON object).
 
-    ``request_id`` is the full id (e.g. ``"cmpl-" + X-Request-Id``); when None it is
-    derived from the input (``deterministic_ids``) or random. ``created`` defaults to
-    ``config.fixed_created`` (``deterministic_ids``) or the current unix time.
-    ``finish_override`` is a ``kind="finish_reason"`` :class:`FaultRule` to apply.
-    Raises :class:`SimRequestError` for requests vLLM would reject.
-    Pure apart from the random id/time when ``deterministic_ids`` is off.
+    ``request_id`` is the full id (the server uses ``"cmpl-" + X-Request-Id`` when that
+    header is sent); when None it is ``"cmpl-"`` + 16 hex, derived from the input with
+    ``deterministic_ids``, else random. ``created`` defaults to ``config.fixed_created``
+    (``deterministic_ids``) or the current unix time. ``finish_override`` is a
+    ``kind="finish_reason"`` :class:`FaultRule` to apply, as the server does for a
+    matching rule. Raises :class:`SimRequestError` for requests vLLM would reject.
     """
     cfg = config or SimConfig()
-    req = _as_req(request, cfg)
+    req = _parse_request(dict(request), cfg)
     key = _cache_key(req, cfg, finish_override)
-    rid, cr = _ids_for(req, cfg, key, request_id, created)
+    rid, cr = _ids_for(cfg, key, request_id, created)
     return _head(rid, cr) + _render_tail(_generate(req, cfg, finish_override), cfg)
 
 
@@ -1170,14 +1225,14 @@ def completion_dict(
     created: int | None = None,
     finish_override: FaultRule | None = None,
 ) -> dict[str, Any]:
-    """The same response as :func:`render_completion`, as the dict ``model_dump()`` would
-    give (key order of vLLM 0.30's ``CompletionResponse``). Slow; a reference for tests:
-    ``json.dumps(d, ensure_ascii=False, allow_nan=False, separators=(",", ":"))`` equals
-    the rendered body."""
+    """The response of :func:`render_completion` as the dict vLLM's ``model_dump()`` gives
+    (``CompletionResponse`` field order, int keys in ``prompt_logprobs``). Built the slow
+    way, independently of the byte renderer; ``json.dumps(d, ensure_ascii=False,
+    allow_nan=False, separators=(",", ":")).encode()`` equals the rendered body."""
     cfg = config or SimConfig()
-    req = _as_req(request, cfg)
+    req = _parse_request(dict(request), cfg)
     key = _cache_key(req, cfg, finish_override)
-    rid, cr = _ids_for(req, cfg, key, request_id, created)
+    rid, cr = _ids_for(cfg, key, request_id, created)
     return _dict_from(_generate(req, cfg, finish_override), cfg, rid, cr)
 
 
@@ -1425,7 +1480,7 @@ async def _completions_inner(request: web.Request, st: _SimState) -> web.StreamR
         t0 = time.perf_counter()
         gen = _generate(req, cfg, override)
         tail = _render_tail(gen, cfg)
-        ntok = sum(len(c.ids) for c in gen.choices)
+        ntok = sum(c.T for c in gen.choices)
         st.stats["build_seconds"] += time.perf_counter() - t0
         if cfg.cache_max_bytes > 0:
             st.cache.put(key, (tail, ntok))
@@ -1449,7 +1504,7 @@ async def _completions_inner(request: web.Request, st: _SimState) -> web.StreamR
             return web.Response(status=200, body=_HTML, content_type=terminal.content_type)
 
     xrid = request.headers.get("X-Request-Id")
-    rid, created = _ids_for(req, cfg, key, ("cmpl-" + xrid) if xrid else None, None)
+    rid, created = _ids_for(cfg, key, ("cmpl-" + xrid) if xrid else None, None)
     body = _head(rid, created) + tail
 
     if terminal is not None and terminal.kind == "truncate":
@@ -1482,8 +1537,8 @@ async def _sim_config_post(request: web.Request) -> web.Response:
         cfg = SimConfig.from_mapping(patch, base=st.config)
     except (ValueError, TypeError) as exc:
         return _json_response(400, _error_body(400, str(exc), "BadRequestError", None))
+    _pool_for(cfg)  # build the fake vocabulary and the token pool now
     st.set_config(cfg)
-    _vocab_for(cfg)
     return _json_response(200, _dumps(cfg.to_mapping()))
 
 
@@ -1522,7 +1577,7 @@ def make_app(config: SimConfig | None = None) -> web.Application:
     Unknown paths answer FastAPI's ``{"detail":"Not Found"}``.
     """
     config = config or SimConfig()
-    _vocab_for(config)  # build the fake vocabulary now, not on the first request
+    _pool_for(config)  # build the fake vocabulary and the token pool now, not on the first request
     app = web.Application(middlewares=[_errors_middleware], client_max_size=256 * 1024 * 1024)
     app[_STATE] = _SimState(config)
     app.router.add_post("/v1/completions", _completions)

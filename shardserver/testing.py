@@ -34,9 +34,9 @@ def http_json(url: str, body: Any = None, headers: dict[str, str] | None = None,
         req.add_header(k, v)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, dict(resp.headers), resp.read()
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
     except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
 
 
 def our_shm_segments() -> list[str]:

@@ -50,6 +50,7 @@ TOPK_MASK_LOGPROB = -99999.0
 
 _INT32_MAX = 2**31 - 1
 _get_logprob = operator.itemgetter("logprob")
+_POW10 = 10 ** np.arange(10, dtype=np.int64)
 _Array = simdjson.Array
 _Object = simdjson.Object
 _NUMBER = (int, float)
@@ -380,7 +381,8 @@ def _float_array(arr, where: str) -> np.ndarray:
         raise EngineBodyError(where, "expected a flat array of numbers") from None
     if a.size != n:
         raise EngineBodyError(where, "expected a flat array of numbers, found nested arrays")
-    f = a.astype(np.float32)
+    with np.errstate(over="ignore"):  # beyond float32 -> inf, reported below
+        f = a.astype(np.float32)
     if n and not np.isfinite(f).all():
         j = int(np.flatnonzero(~np.isfinite(f))[0])
         raise EngineBodyError(f"{where}[{j}]", f"non-finite logprob {float(a[j])!r} (NaN/inf or beyond float32 range)")
@@ -513,12 +515,8 @@ def _decode_prompt_logprobs(
     except (KeyError, TypeError, AttributeError):
         _diagnose_prompt_rows(rows, keys, where)
         raise EngineBodyError(where, "malformed prompt logprobs") from None  # pragma: no cover
-    joined = "".join(flat_keys)  # one C pass: every key must be ASCII decimal digits
-    if not (joined.isascii() and joined.isdigit()):
-        _diagnose_prompt_keys(rows, where)
-    try:
-        ids64 = np.fromiter(map(int, flat_keys), dtype=np.int64, count=len(flat_keys))
-    except (ValueError, OverflowError):  # "" or an id beyond int64
+    ids64 = _parse_decimal_keys(flat_keys)
+    if ids64 is None:
         _diagnose_prompt_keys(rows, where)
     if ids64.size and int(ids64.max()) > _INT32_MAX:
         _diagnose_prompt_keys(rows, where)
@@ -531,6 +529,22 @@ def _decode_prompt_logprobs(
     keep = rank < k
     t_ids[row[keep], rank[keep]] = ids64[keep]
     t_lps[row[keep], rank[keep]] = lp64[keep]
+
+
+def _parse_decimal_keys(keys: list[str]) -> np.ndarray | None:
+    """Token-id keys (decimal strings) -> int64, vectorized; None if any key is not 1-10 ASCII digits."""
+    if not keys:
+        return np.zeros(0, dtype=np.int64)
+    joined = "".join(keys)
+    if not (joined.isascii() and joined.isdigit()):  # one C pass over every key
+        return None
+    lens = np.fromiter(map(len, keys), dtype=np.intp, count=len(keys))
+    if int(lens.min()) == 0 or int(lens.max()) > 10:
+        return None
+    digits = np.frombuffer(joined.encode("ascii"), dtype=np.uint8).astype(np.int64) - 48
+    ends = np.cumsum(lens)
+    power = np.repeat(ends, lens) - np.arange(digits.size) - 1  # digit's place value exponent
+    return np.add.reduceat(digits * _POW10[power], ends - lens)
 
 
 def _rank_in_rows(lp: np.ndarray, col: np.ndarray, counts: np.ndarray, row: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -550,13 +564,15 @@ def _rank_in_rows(lp: np.ndarray, col: np.ndarray, counts: np.ndarray, row: np.n
     r = np.repeat(np.arange(counts.size), counts)
     m = np.full((counts.size, width), -np.inf)
     m[r, col] = lp  # padding stays -inf: never > or == a finite logprob
-    gt = (m[:, None, :] > m[:, :, None]).sum(axis=2)  # [row, i] = #{j: m[j] > m[i]}
-    eq_before = np.tril(m[:, None, :] == m[:, :, None], k=-1).sum(axis=2)  # j < i with m[j] == m[i]
-    return (gt + eq_before)[r, col]
+    mj = m[:, None, :]  # [row, i, j] -> m[row, j]
+    mi = m[:, :, None]  # [row, i, j] -> m[row, i]
+    before = np.tri(width, width, -1, dtype=bool)  # [i, j] = j < i
+    return np.count_nonzero((mj > mi) | ((mj == mi) & before), axis=2)[r, col]
 
 
 def _check_finite(lp64: np.ndarray, rowidx: np.ndarray, where: str) -> None:
-    f = lp64.astype(np.float32)
+    with np.errstate(over="ignore"):
+        f = lp64.astype(np.float32)
     if not np.isfinite(f).all():
         j = int(np.flatnonzero(~np.isfinite(f))[0])
         raise EngineBodyError(

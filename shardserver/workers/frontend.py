@@ -249,10 +249,6 @@ def create_app(ctx: FrontendContext) -> FastAPI:
             v = getattr(req, name)
             if v not in (None, 0):
                 return _error(400, f"{name} is not supported by this gateway")
-        sess = ctx.signer.open_sampling_session_id(req.sampling_session_id)
-        if sess is None:
-            return _error(404, "unknown sampling_session_id (create_sampling_session first; "
-                               "sessions of an earlier server run are not kept unless server.id_secret is set)")
         tokens: list[int] = []
         for i, chunk in enumerate(req.prompt.chunks):
             ctype = chunk.get("type", "encoded_text")
@@ -262,6 +258,10 @@ def create_app(ctx: FrontendContext) -> FastAPI:
             tokens.extend(EncodedTextChunk.model_validate(chunk).tokens)
         if not tokens:
             return _error(400, "prompt has no tokens")
+        sess = ctx.signer.open_sampling_session_id(req.sampling_session_id)
+        if sess is None:
+            return _error(404, "unknown sampling_session_id (create_sampling_session first; "
+                               "sessions of an earlier server run are not kept unless server.id_secret is set)")
         n = req.num_samples
         if n > cfg.engine.max_num_samples:
             return _error(400, f"num_samples={n} exceeds engine.max_num_samples={cfg.engine.max_num_samples}")

@@ -1,0 +1,109 @@
+"""Shared fixtures: a real gateway on loopback (S=2, F=2, embedded simulator) and expected values."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from shardserver.testing import RunningServer, http_json, our_processes, our_shm_segments
+
+BASE_MODEL = "Qwen/Qwen3-8B"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """After the whole suite: no shardserver process and no /dev/shm segment of ours."""
+    before = set(our_shm_segments())
+    yield
+    left = set(our_shm_segments()) - before
+    procs = our_processes()
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+    assert not procs, f"processes left behind: {procs}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One gateway for a test module: 2 encoders, 2 front-ends, embedded simulator."""
+    with RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "2",
+                            "SHARDSERVER_SHARDS__ARENA_BYTES": str(64 * 1024 * 1024)}) as s:
+        yield s
+    assert s.proc is not None and s.proc.returncode == 0, "\n".join(s.log_lines[-30:])
+    assert not s.leftover_processes
+
+
+def engine_body(prompt: list[int], n: int, max_tokens: int, seed: int | None, *, temperature: float = 1.0,
+                prompt_logprobs: int | None = None, stop: list | None = None) -> dict:
+    """What the embedded simulator sends for the engine request the gateway builds (parsed JSON)."""
+    from shardserver.engine_sim import SimConfig, render_completion
+
+    req = {"model": BASE_MODEL, "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": temperature,
+           "top_p": 1.0, "top_k": -1, "logprobs": 1, "return_token_ids": True}
+    if seed is not None:
+        req["seed"] = seed
+    if prompt_logprobs is not None:
+        req["prompt_logprobs"] = prompt_logprobs
+    if stop:
+        req["stop_token_ids" if isinstance(stop[0], int) else "stop"] = stop
+    return json.loads(render_completion(req, SimConfig.from_mapping({"model_name": BASE_MODEL})))
+
+
+def expected_sequences(body: dict) -> list[dict]:
+    """Per choice: tokens (list[int]), logprobs (float32 array), stop_reason as the SDK reports it."""
+    out = []
+    for ch in sorted(body["choices"], key=lambda c: c["index"]):
+        out.append({"tokens": ch["token_ids"],
+                    "logprobs": np.asarray(ch["logprobs"]["token_logprobs"], dtype=np.float32),
+                    "stop_reason": "length" if ch["finish_reason"] == "length" else "stop"})
+    return out
+
+
+def expected_prompt_logprobs(body: dict, prompt: list[int], k: int):
+    """(prompt_logprobs with None at undefined positions, top-k rows as [(id, float32 lp)] or None)."""
+    plp = body["choices"][0]["prompt_logprobs"]
+    lps: list = []
+    topk: list = []
+    for i, pos in enumerate(plp):
+        if pos is None:
+            lps.append(None)
+            topk.append(None)
+            continue
+        lps.append(float(np.float32(pos[str(prompt[i])]["logprob"])))
+        entries = sorted(((int(t), v["logprob"]) for t, v in pos.items()), key=lambda e: -e[1])[:k]
+        topk.append([(t, float(np.float32(lp))) for t, lp in entries])
+    return lps, topk
+
+
+class Api:
+    """Raw HTTP calls against a running gateway (the SDK's wire protocol by hand)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def post(self, path: str, body, headers: dict | None = None, timeout: float = 40.0):
+        return http_json(self.url + path, body, headers=headers, timeout=timeout)
+
+    def sampling_session(self) -> str:
+        st, _, b = self.post("/api/v1/create_session", {"tags": [], "user_metadata": {}})
+        assert st == 200, b
+        st, _, b = self.post("/api/v1/create_sampling_session",
+                             {"session_id": json.loads(b)["session_id"], "base_model": BASE_MODEL})
+        assert st == 200, b
+        return json.loads(b)["sampling_session_id"]
+
+
+@pytest.fixture(scope="module")
+def api(server) -> Api:
+    return Api(server.url)
+
+
+def sdk024_python() -> str | None:
+    p = os.environ.get("SHARDSERVER_SDK024_PYTHON")
+    if p:
+        assert os.path.exists(p), f"SHARDSERVER_SDK024_PYTHON={p} does not exist (run `make test`)"
+        return p
+    default = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-sdk024", "bin",
+                           "python")
+    return default if os.path.exists(default) else None
