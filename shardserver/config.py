@@ -211,10 +211,14 @@ def _check(value: Any, key: str, ok: bool, reason: str) -> None:
         raise ConfigError(key, f"{reason} (got {value!r})")
 
 
+class _EnvStr(str):
+    """A value that came from an environment variable (parsed leniently: "1", "yes", "4_096")."""
+
+
 def _coerce(key: str, typ: Any, value: Any) -> Any:
     """Convert ``value`` (from TOML or an env string) to the field type, or raise ConfigError."""
     tname = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
-    from_env = isinstance(value, str)
+    from_env = isinstance(value, _EnvStr)
     try:
         if tname == "bool":
             if isinstance(value, bool):
@@ -242,7 +246,7 @@ def _coerce(key: str, typ: Any, value: Any) -> Any:
             raise ValueError
         if tname == "str":
             if isinstance(value, str):
-                return value
+                return str(value)
             raise ValueError
     except ValueError:
         pass
@@ -282,7 +286,7 @@ def config_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None =
         sec, key = sec.lower(), key.lower()
         if sec not in _SECTIONS and sec != "simulator":
             raise ConfigError(f"{sec}.{key}", f"unknown section in environment variable {var}")
-        merged.setdefault(sec, {})[key] = raw
+        merged.setdefault(sec, {})[key] = _EnvStr(raw)
     sim = merged.pop("simulator", {})
     # Env values for the simulator arrive as strings; numbers are parsed here, strings kept.
     sim = {k: _parse_env_scalar(v) if isinstance(v, str) else v for k, v in sim.items()}

@@ -1,0 +1,195 @@
+"""Unit tests: config loading and validation, IDs, arenas, control frames."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import zlib
+
+import pytest
+
+from shardserver.config import config_from_mapping, load_config
+from shardserver.control import Kind, encode_frame, read_frame
+from shardserver.errors import ConfigError, SlotInvalidError
+from shardserver.ids import FutureIdStatus, IdSigner, SamplingSession, shard_of
+from shardserver.shm.arena import (
+    SUPERBLOCK,
+    ArenaReader,
+    ArenaWriter,
+    create_segment,
+    remove_stale_segments,
+    segment_name,
+    unlink_segment,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- config ------------------------------------------------------------------------------------
+def test_shipped_configs_load():
+    demo = load_config(os.path.join(REPO, "configs", "demo.toml"), env={})
+    assert (demo.shards.count, demo.server.front_ends, demo.engine.url, demo.auth.mode) == (2, 2, "", "open")
+    prod = load_config(os.path.join(REPO, "configs", "production.toml"), env={})
+    assert (prod.shards.count, prod.auth.mode) == (10, "keys")
+    assert prod.engine.url.startswith("http://")
+
+
+def test_env_overrides_file_values():
+    cfg = config_from_mapping({"shards": {"count": 2}}, env={
+        "SHARDSERVER_SHARDS__COUNT": "5", "SHARDSERVER_ENGINE__RETRY_5XX": "true",
+        "SHARDSERVER_FUTURES__LONG_POLL_S": "10.5", "UNRELATED": "x"})
+    assert cfg.shards.count == 5
+    assert cfg.engine.retry_5xx is True
+    assert cfg.futures.long_poll_s == 10.5
+
+
+@pytest.mark.parametrize("data,env,key", [
+    ({"shards": {"count": 0}}, {}, "shards.count"),
+    ({"shards": {"count": "two"}}, {}, "shards.count"),
+    ({"shards": {"bogus": 1}}, {}, "shards.bogus"),
+    ({"nosuch": {}}, {}, "nosuch"),
+    ({}, {"SHARDSERVER_FUTURES__LONG_POLL_S": "60"}, "futures.long_poll_s"),
+    ({}, {"SHARDSERVER_SERVER__PORT": "http"}, "server.port"),
+    ({"engine": {"url": "ftp://x"}}, {}, "engine.url"),
+    ({"auth": {"mode": "maybe"}}, {}, "auth.mode"),
+    ({"server": {"access_log": "yes"}}, {}, "server.access_log"),
+])
+def test_invalid_config_names_the_key(data, env, key):
+    with pytest.raises(ConfigError) as ei:
+        config_from_mapping(data, env=env)
+    assert ei.value.key == key
+    assert key in str(ei.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        load_config(tmp_path / "nope.toml", env={})
+    assert "does not exist" in str(ei.value)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[shards\ncount = 1")
+    with pytest.raises(ConfigError) as ei:
+        load_config(bad, env={})
+    assert "invalid TOML" in str(ei.value)
+
+
+# -- IDs ---------------------------------------------------------------------------------------
+def test_future_ids_hash_to_their_shard_and_verify():
+    s = IdSigner(b"k" * 32, "0a1b2c3d")
+    for shard in range(4):
+        fid = s.mint_future_id(shard, 4)
+        assert shard_of(fid, 4) == shard
+        assert len(fid.split("-")[1]) == 32  # 128 random bits
+        assert s.check_future_id(fid) == FutureIdStatus.OK
+        assert s.check_future_id(fid, owner="other-key") == FutureIdStatus.INVALID
+    other = IdSigner(b"k" * 32, "ffffffff")
+    assert other.check_future_id(s.mint_future_id(0, 1)) == FutureIdStatus.FOREIGN_RUN
+    assert s.check_future_id("garbage") == FutureIdStatus.INVALID
+    assert s.check_future_id(17) == FutureIdStatus.INVALID
+
+
+def test_sampling_session_ids_carry_the_model():
+    s = IdSigner(b"secret", "00000001")
+    sid = s.mint_session_id()
+    assert s.check_session_id(sid)
+    ss = s.mint_sampling_session_id(SamplingSession(sid, "Qwen/Qwen3-8B", None, 3))
+    got = s.open_sampling_session_id(ss)
+    assert got is not None and (got.base_model, got.model_path, got.seq) == ("Qwen/Qwen3-8B", None, 3)
+    assert s.open_sampling_session_id(ss[:-1] + ("0" if ss[-1] != "0" else "1")) is None
+    assert IdSigner(b"other", "00000001").open_sampling_session_id(ss) is None
+
+
+# -- arenas ------------------------------------------------------------------------------------
+@pytest.fixture
+def arena():
+    name = segment_name(os.getpid(), "7e57a7e5", random.randrange(10**6), 0)
+    create_segment(name, 1 << 20)
+    w = ArenaWriter(name)
+    r = ArenaReader(name)
+    yield w, r
+    r.close()
+    w.close()
+    unlink_segment(name)
+
+
+def test_arena_write_read_free(arena):
+    w, r = arena
+    s1 = w.write(b"hello world")
+    assert s1 is not None and s1.offset == SUPERBLOCK and s1.length == 11
+    assert r.read(s1.offset, 11, s1.generation) == b"hello world"
+    assert w.used_bytes == 64
+    gen = s1.generation
+    w.free(s1)
+    assert w.used_bytes == 0
+    with pytest.raises(SlotInvalidError, match="modified or invalid"):
+        r.read(SUPERBLOCK, 11, gen)
+    s2 = w.write(b"again")
+    assert s2.offset == SUPERBLOCK and s2.generation != gen
+    with pytest.raises(SlotInvalidError):
+        r.read(s2.offset, 11, gen)
+
+
+def test_arena_full_and_coalescing(arena):
+    w, _ = arena
+    slots = [w.write(bytes([i % 256]) * 1000) for i in range(1100)]
+    live = [s for s in slots if s is not None]
+    assert len(live) == (1 << 20) // 1024
+    assert w.alloc(1000) is None
+    for s in live[::2]:
+        w.free(s)
+    assert w.alloc(3000) is None  # free space is fragmented into 1024-byte holes
+    for s in live[1::2]:
+        w.free(s)
+    assert w.used_bytes == 0 and w.largest_free() == 1 << 20
+    assert w.alloc((1 << 20) - 16) is not None
+
+
+def test_arena_random_reuse_keeps_every_checksum(arena):
+    """Seeded random alloc/free churn: every live slot always reads back its own bytes."""
+    w, r = arena
+    rng = random.Random(1234)
+    live: dict[int, tuple] = {}
+    for step in range(3000):
+        if live and (rng.random() < 0.45 or w.free_bytes < 100_000):
+            key = rng.choice(list(live))
+            slot, crc = live.pop(key)
+            w.free(slot)
+        else:
+            data = rng.randbytes(rng.randrange(0, 20_000))
+            slot = w.write(data)
+            if slot is not None:
+                live[step] = (slot, zlib.crc32(data))
+        for slot, crc in list(live.values())[:3]:
+            assert zlib.crc32(r.read(slot.offset, slot.length, slot.generation)) == crc, f"seed 1234 step {step}"
+    offs = sorted((s.offset, s.capacity) for s, _ in live.values())
+    for (a, ca), (b, _) in zip(offs, offs[1:]):
+        assert a + ca <= b, "overlapping slots"
+
+
+def test_remove_stale_segments_only_removes_dead_runs():
+    dead_pid = 2 ** 22 + 12345  # above pid_max on default kernels: never alive
+    dead = segment_name(dead_pid, "deadbeef", 0, 0)
+    mine = segment_name(os.getpid(), "deadbeef", 1, 0)
+    create_segment(dead, 4096)
+    create_segment(mine, 4096)
+    try:
+        removed = remove_stale_segments()
+        assert dead in removed and mine not in removed
+        assert os.path.exists(f"/dev/shm/{mine}") and not os.path.exists(f"/dev/shm/{dead}")
+    finally:
+        unlink_segment(dead)
+        unlink_segment(mine)
+
+
+# -- control frames ----------------------------------------------------------------------------
+def test_control_frame_roundtrip():
+    async def go():
+        r = asyncio.StreamReader()
+        r.feed_data(encode_frame(Kind.SUBMIT, 7, {"sid": "a", "seq": 1}, b"\x00body"))
+        r.feed_data(encode_frame(Kind.REPLY, 7, {"request_id": "x"}))
+        r.feed_eof()
+        return await read_frame(r), await read_frame(r)
+
+    a, b = asyncio.run(go())
+    assert a == (Kind.SUBMIT, 7, {"sid": "a", "seq": 1}, b"\x00body")
+    assert b == (Kind.REPLY, 7, {"request_id": "x"}, b"")
