@@ -9,6 +9,7 @@ outcome                                       category  retried here
 connection refused / reset before sending     server    yes, ``connect_retries`` times
 HTTP 4xx (but 408, 429)                       user      no
 HTTP 408, 429 (router queue full / timed out) server    no
+HTTP 400 "Out of range float values" (NaN)    server    no
 HTTP 5xx                                      server    only if ``retry_5xx``
 timeout, body read error                      server    no (the engine may have run it)
 ============================================ ========= ===========================
@@ -25,6 +26,8 @@ from .config import EngineConfig
 from .errors import EngineError
 
 __all__ = ["EngineClient", "engine_error_message"]
+
+_NAN_MARK = "Out of range float values are not JSON compliant"
 
 
 def engine_error_message(status: int, body: bytes) -> str:
@@ -108,7 +111,8 @@ class EngineClient:
                 attempt += 1
                 await asyncio.sleep(0.05 * 2 ** attempt)
                 continue
-            # 408/429 come from a router's queue, not from a bad request.
-            user = 400 <= status < 500 and status not in (408, 429)
-            raise EngineError(engine_error_message(status, data), status=status,
-                              category="user" if user else "server")
+            msg = engine_error_message(status, data)
+            # 408/429 come from a router's queue, not from a bad request; vLLM reports its own
+            # NaN-serialization failure as a 400 although the request was fine (spec §4, §8.1).
+            user = 400 <= status < 500 and status not in (408, 429) and _NAN_MARK not in msg
+            raise EngineError(msg, status=status, category="user" if user else "server")

@@ -1591,15 +1591,22 @@ def make_app(config: SimConfig | None = None) -> web.Application:
 
 
 async def start_sim(
-    config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0
+    config: SimConfig | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    shutdown_timeout: float = 1.0,
 ) -> tuple[web.AppRunner, int]:
     """Serve the simulator on the running loop. ``port=0`` picks a free port.
 
     Returns ``(runner, actual_port)``; pass the runner to :func:`stop_sim`.
+    ``shutdown_timeout`` (seconds) bounds how long :func:`stop_sim` waits for in-flight
+    requests (e.g. stalled ones) before closing their connections.
     """
-    runner = web.AppRunner(make_app(config), access_log=None, handle_signals=False)
+    runner = web.AppRunner(make_app(config), access_log=None, handle_signals=False,
+                           shutdown_timeout=shutdown_timeout)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, backlog=2048)
     try:
         await site.start()
     except BaseException:

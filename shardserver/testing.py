@@ -161,6 +161,8 @@ class RunningServer:
                 pass
         if self._reader is not None:
             self._reader.join(2)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         return self.proc.returncode
 
     def __exit__(self, *exc: Any) -> None:

@@ -482,3 +482,21 @@ def test_invalid_arguments(dec):
         dec.decode(SPEC_EXAMPLE_BODY, num_samples=0)
     with pytest.raises(ValueError):
         dec.decode(SPEC_EXAMPLE_BODY, num_samples=1, topk_prompt_logprobs=-1)
+
+
+def test_err_prompt_logprob_beyond_float32(dec):
+    row = {"2": {"logprob": -1e39, "rank": 1, "decoded_token": "x"}}
+    c = _choice(0, prompt_logprobs=[None, row], prompt_token_ids=[1, 2])
+    _err(dec, render([c]), where="choices[0].prompt_logprobs[1]", msg="non-finite", prompt_logprobs=True)
+
+
+def test_dropped_error_keeps_parser_usable(dec):
+    # An EngineBodyError kept alive by the caller must not pin simdjson proxies.
+    kept = []
+    parser = dec._parser
+    for bad in (b'{"choices":[{"index":0,"token_ids":[1],"finish_reason":"nope"}]}', b"[]"):
+        with pytest.raises(EngineBodyError) as ei:
+            dec.decode(bad, num_samples=1)
+        kept.append(ei)
+    assert dec.decode(SPEC_EXAMPLE_BODY, num_samples=1).choices[0].token_ids.tolist() == [220, 19, 13, 151643]
+    assert dec._parser is parser  # reused, not replaced by the fallback
