@@ -289,7 +289,7 @@ def config_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None =
         merged.setdefault(sec, {})[key] = _EnvStr(raw)
     sim = merged.pop("simulator", {})
     # Env values for the simulator arrive as strings; numbers are parsed here, strings kept.
-    sim = {k: _parse_env_scalar(v) if isinstance(v, str) else v for k, v in sim.items()}
+    sim = {k: _parse_env_scalar(v) if isinstance(v, _EnvStr) else v for k, v in sim.items()}
     cfg = Config(**{name: _build_section(name, merged.get(name, {})) for name in _SECTIONS},
                  simulator=sim, source=source)
     return cfg.validate()

@@ -58,6 +58,7 @@ class FrontendContext:
     clients: list[ControlClient] = field(default_factory=list)
     readers: dict[str, ArenaReader] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
+    ready_conn: Any = None
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -133,6 +134,10 @@ def create_app(ctx: FrontendContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await ctx.start()
+        if ctx.ready_conn is not None:
+            ctx.ready_conn.send(("ready", ctx.index, os.getpid()))
+            ctx.ready_conn.close()
+            ctx.ready_conn = None
         yield
         await ctx.stop()
 
@@ -400,13 +405,14 @@ class FrontendProc:
 
     @staticmethod
     def run(cfg: Config, index: int, sock, socket_paths: list[str], secret: bytes, run_id: str,
-            parent_pid: int) -> None:
+            parent_pid: int, ready_conn=None) -> None:
         from ._subprocess import child_setup
 
         child_setup(f"front-end {index}", cfg)
         import uvicorn
 
-        ctx = FrontendContext(cfg=cfg, index=index, signer=IdSigner(secret, run_id), socket_paths=socket_paths)
+        ctx = FrontendContext(cfg=cfg, index=index, signer=IdSigner(secret, run_id), socket_paths=socket_paths,
+                              ready_conn=ready_conn)
         app = create_app(ctx)
         ucfg = uvicorn.Config(
             app, loop="uvloop", http="httptools", lifespan="on", access_log=cfg.server.access_log,

@@ -157,14 +157,17 @@ class Supervisor:
         child_conn.close()
         return parent_conn
 
-    def _start_front_end(self, spec: ChildSpec) -> None:
+    def _start_front_end(self, spec: ChildSpec) -> mpc.Connection:
         from .frontend import FrontendProc
 
+        parent_conn, child_conn = _CTX.Pipe(duplex=False)
         spec.proc = _CTX.Process(
             target=FrontendProc.run, name=f"shardserver-front-end-{spec.index}", daemon=False,
             args=(self.cfg, spec.index, self.sock, [self._sock_path(s) for s in range(self.cfg.shards.count)],
-                  self.secret, self.run_id, self.pid))
+                  self.secret, self.run_id, self.pid, child_conn))
         spec.proc.start()
+        child_conn.close()
+        return parent_conn
 
     def _start_sim(self) -> None:
         from .simproc import run_sim_process
@@ -220,8 +223,9 @@ class Supervisor:
             for e, c in zip(self.encoders, conns):
                 self._wait_ready(e, c)
             self.front_ends = [ChildSpec("front-end", i) for i in range(cfg.server.front_ends)]
-            for f in self.front_ends:
-                self._start_front_end(f)
+            fconns = [self._start_front_end(f) for f in self.front_ends]
+            for f, c in zip(self.front_ends, fconns):
+                self._wait_ready(f, c)
             log.info("shardserver %s listening on http://%s:%d (%d encoders, %d front-ends, engine %s)",
                      self.run_id, host, port, cfg.shards.count, cfg.server.front_ends, self.engine_url)
             if self.on_ready is not None:
@@ -265,7 +269,11 @@ class Supervisor:
             except StartupError as exc:
                 log.error("%s", exc)
         elif child.role == "front-end":
-            self._start_front_end(child)
+            conn = self._start_front_end(child)
+            try:
+                self._wait_ready(child, conn)
+            except StartupError as exc:
+                log.error("%s", exc)
         else:
             log.error("the engine simulator died (code %s); restarting it", code)
             from .simproc import run_sim_process

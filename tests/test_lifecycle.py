@@ -1,0 +1,181 @@
+"""Processes and shared memory: start, crash, restart, shutdown. Each test runs its own gateway."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import Api
+from shardserver.testing import REPO, RunningServer, http_json, our_shm_segments
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _segments_of(pid: int) -> list[str]:
+    return [n for n in our_shm_segments() if n.startswith(f"shardserver-{pid}-")]
+
+
+def _group(pgid: int) -> list[tuple[int, str]]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+                cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append((int(d), cmd))
+    return out
+
+
+def _submit(api: Api, tokens: list[int], seq_id: int = 0, max_tokens: int = 4) -> str:
+    ssid = api.sampling_session()
+    st, _, b = api.post("/api/v1/asample", {"sampling_session_id": ssid, "seq_id": seq_id, "num_samples": 1,
+                                            "prompt": {"chunks": [{"tokens": tokens}]},
+                                            "sampling_params": {"max_tokens": max_tokens, "seed": 1}})
+    assert st == 200, b
+    return json.loads(b)["request_id"]
+
+
+def test_process_titles_and_sigterm_cleanup():
+    with RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "2"}) as s:
+        pid = s.proc.pid
+        titles = sorted(cmd for _, cmd in _group(pid) if cmd.startswith("shardserver:"))
+        assert titles == ["shardserver: encoder 0", "shardserver: encoder 1", "shardserver: engine-sim",
+                          "shardserver: front-end 0", "shardserver: front-end 1", "shardserver: supervisor"]
+        assert len(_segments_of(pid)) == 2
+        api = Api(s.url)
+        rid = _submit(api, [1, 2, 3])
+        st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": rid})
+        assert st == 200
+        t0 = time.monotonic()
+        assert s.stop() == 0
+        assert time.monotonic() - t0 < 10
+    assert _segments_of(pid) == []
+    assert not s.leftover_processes
+    assert any("[shutdown] supervisor: done" in line for line in s.log_lines)
+
+
+def test_encoder_sigkill_answers_410_at_once_and_restarts():
+    env = {"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_SIMULATOR__LATENCY_S": "20"}
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        stats = s.stats()
+        enc_pids = {sh["shard"]: sh["pid"] for sh in stats["shards"]}
+        rid = _submit(api, [5, 5, 5])
+        from shardserver.ids import shard_of
+
+        shard = shard_of(rid, 2)
+        other = 1 - shard
+        rid_other = None
+        for i in range(50):  # a future on the other shard, which must not notice the crash
+            r = _submit(api, [6, 6, i], seq_id=i)
+            if shard_of(r, 2) == other:
+                rid_other = r
+                break
+        assert rid_other is not None
+        result: dict = {}
+
+        def poll() -> None:
+            t = time.monotonic()
+            result["status"], _, result["body"] = api.post("/api/v1/retrieve_future", {"request_id": rid})
+            result["elapsed"] = time.monotonic() - t
+
+        th = threading.Thread(target=poll)
+        th.start()
+        time.sleep(0.5)  # the poll is now held by the encoder
+        old_segments = _segments_of(s.proc.pid)
+        os.kill(enc_pids[shard], signal.SIGKILL)
+        th.join(10)
+        assert result["status"] == 410, result
+        assert result["elapsed"] < 2.0
+        # Restarted within 2 s, with a fresh arena; the old one is unlinked.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            st, _, b = http_json(s.url + "/readyz")
+            if st == 200:
+                break
+            time.sleep(0.05)
+        assert st == 200
+        new_pids = {sh["shard"]: sh["pid"] for sh in s.stats()["shards"]}
+        assert new_pids[shard] != enc_pids[shard] and new_pids[other] == enc_pids[other]
+        segs = _segments_of(s.proc.pid)
+        assert len(segs) == 2 and set(segs) != set(old_segments)
+        # The lost future answers 410 (the SDK resubmits); the other shard's future is still pending.
+        st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": rid})
+        assert st == 410
+        stats = s.stats()
+        other_stats = [sh for sh in stats["shards"] if sh["shard"] == other][0]
+        assert other_stats["futures"].get("pending", 0) >= 1
+        assert any("exited with code -9: restarting" in line for line in s.log_lines)
+
+
+def _titled(pgid: int, title: str) -> list[int]:
+    return [pid for pid, cmd in _group(pgid) if cmd == title]
+
+
+def test_front_end_sigkill_others_keep_serving():
+    with RunningServer(env={"SHARDSERVER_SERVER__FRONT_ENDS": "2"}) as s:
+        (victim,) = _titled(s.proc.pid, "shardserver: front-end 0")
+        (survivor,) = _titled(s.proc.pid, "shardserver: front-end 1")
+        os.kill(victim, signal.SIGKILL)
+        statuses = [http_json(s.url + "/healthz")[0] for _ in range(20)]
+        assert statuses == [200] * 20
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not [p for p in _titled(s.proc.pid, "shardserver: front-end 0")
+                                                   if p != victim]:
+            time.sleep(0.05)
+        (restarted,) = _titled(s.proc.pid, "shardserver: front-end 0")
+        assert restarted != victim
+        assert _titled(s.proc.pid, "shardserver: front-end 1") == [survivor]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and http_json(s.url + "/readyz")[0] != 200:
+            time.sleep(0.05)
+        api = Api(s.url)
+        rid = _submit(api, [8, 8, 8])
+        assert api.post("/api/v1/retrieve_future", {"request_id": rid})[0] == 200
+
+
+def test_supervisor_sigkill_children_exit_and_next_start_cleans():
+    s = RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "2"}).__enter__()
+    try:
+        pid = s.proc.pid
+        assert len(_segments_of(pid)) == 2
+        os.kill(pid, signal.SIGKILL)
+        s.proc.wait(5)
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and _group(pid):
+            time.sleep(0.1)
+        assert _group(pid) == [], "children outlived a SIGKILLed supervisor"
+        # Encoders unlink their own arenas when they notice; whatever is left goes at the next start.
+        with RunningServer() as s2:
+            assert _segments_of(pid) == []
+            assert len(_segments_of(s2.proc.pid)) == 2
+    finally:
+        s.stop()
+
+
+def test_invalid_config_stops_start_with_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[shards]\ncount = -1\n")
+    proc = subprocess.run([sys.executable, "-m", "shardserver.cli", "serve", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=30, cwd=str(REPO))
+    assert proc.returncode == 2
+    assert "shards.count" in proc.stderr and "must be 1..256" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "shardserver.cli", "config", "--show", "--config",
+                           str(REPO / "configs" / "demo.toml")], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "SHARDSERVER_SHARDS__COUNT": "3",
+                               "SHARDSERVER_SERVER__ID_SECRET": "hunter2"}, cwd=str(REPO))
+    assert proc.returncode == 0
+    shown = json.loads(proc.stdout)
+    assert shown["shards"]["count"] == 3 and shown["server"]["id_secret"] == "***"
