@@ -501,11 +501,11 @@ def _parse_request(obj: Any, cfg: SimConfig) -> _Req:
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         raise _pydantic("prompt", "value_error", "engine-sim serves one prompt per request")
-    if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
+    if not isinstance(prompt, list) or not set(map(type, prompt)) <= {int}:
         raise _pydantic("prompt", "list_type", "prompt must be a list of token ids (engine-sim does not tokenize)")
     if not prompt:
         raise _bad("Prompt cannot be empty", "prompt", [], with_value=False)
-    if any(t < 0 or t > 0x7FFFFFFF for t in prompt):
+    if min(prompt) < 0 or max(prompt) > 0x7FFFFFFF:
         bad_id = next(t for t in prompt if t < 0 or t > 0x7FFFFFFF)
         raise _bad(f"Token id {bad_id} is out of vocabulary", "prompt", bad_id, with_value=False)
 
@@ -646,6 +646,22 @@ def _streams(entropy: list[int], count: int) -> list[np.random.Generator]:
 
 
 _R = float.__repr__  # what json.dumps uses for finite floats
+
+
+def _ints_csv(a: np.ndarray) -> bytes:
+    """Comma-separated decimal text of non-negative ints, vectorized (== ",".join(map(str, a)))."""
+    n = a.size
+    if n == 0:
+        return b""
+    a = a.astype(np.int64, copy=False)
+    width = len(str(int(a.max())))
+    pow10 = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    out = np.empty((n, width + 1), dtype=np.uint8)
+    out[:, :width] = (a[:, None] // pow10) % 10 + 48
+    out[:, width] = 44
+    keep = np.ones((n, width + 1), dtype=bool)
+    keep[:, : width - 1] = a[:, None] >= pow10[: width - 1]
+    return out[keep].tobytes()[:-1]
 
 
 class _Joined:
@@ -1074,10 +1090,11 @@ def _window(j: _Joined, c: _Choice, last: bytes | None) -> bytes:
     return head + b"," + last if head else last
 
 
-def _render_logprobs(gen: _Generated, c: _Choice, vocab: _FakeVocab) -> bytes:
+def _render_logprobs(gen: _Generated, c: _Choice, vocab: _FakeVocab) -> list[bytes]:
+    """The choice's ``logprobs`` object as a list of byte pieces."""
     k = gen.req.logprobs
     if k >= 2:
-        return _dumps(_logprobs_obj(gen, c, vocab))
+        return [_dumps(_logprobs_obj(gen, c, vocab))]
     pool = gen.pool
     offs = pool.cum[c.a:c.a + c.T] - pool.cum[c.a]
     tok_last = lp_last = top_last = None
@@ -1086,13 +1103,13 @@ def _render_logprobs(gen: _Generated, c: _Choice, vocab: _FakeVocab) -> bytes:
         e, r = vocab.esc_of(tid), _R(max(lp, _CLAMP))
         tok_last, lp_last, top_last = e.encode(), r.encode(), ("{" + e + ":" + r + "}").encode()
     top_j = pool.j_top0 if (k == 0 or gen.req.greedy) else pool.j_top1
-    return b"".join((
-        b'{"text_offset":[', ",".join(map(str, offs.tolist())).encode(),
+    return [
+        b'{"text_offset":[', _ints_csv(offs),
         b'],"token_logprobs":[', _window(pool.j_lps, c, lp_last),
         b'],"tokens":[', _window(pool.j_tok, c, tok_last),
         b'],"top_logprobs":[', _window(top_j, c, top_last),
         b"]}",
-    ))
+    ]
 
 
 _PLP_CACHE: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
@@ -1124,7 +1141,7 @@ def _render_tail(gen: _Generated, cfg: SimConfig) -> bytes:
     vocab = _vocab_for(cfg)
     req, pool = gen.req, gen.pool
     plp = _render_prompt_logprobs(gen, cfg, vocab) if req.prompt_logprobs is not None else b"null"
-    pids = ("[" + ",".join(map(str, req.prompt_list)) + "]").encode() if req.return_token_ids else b"null"
+    pids = b"[" + _ints_csv(req.prompt) + b"]" if req.return_token_ids else b"null"
     parts = [b',"model":', _jstr(cfg.model_name).encode(), b',"choices":[']
     for i, c in enumerate(gen.choices):
         if i:
@@ -1139,10 +1156,9 @@ def _render_tail(gen: _Generated, cfg: SimConfig) -> bytes:
             token_ids = b"[" + _window(pool.j_ids, c, None if c.last is None else str(c.last[0]).encode()) + b"]"
         else:
             token_ids = b"null"
+        parts += [b'{"index":', str(i).encode(), b',"text":', text, b',"logprobs":']
+        parts += _render_logprobs(gen, c, vocab) if req.logprobs is not None else [b"null"]
         parts += [
-            b'{"index":', str(i).encode(),
-            b',"text":', text,
-            b',"logprobs":', _render_logprobs(gen, c, vocab) if req.logprobs is not None else b"null",
             b',"finish_reason":', _jstr(c.finish_reason).encode(),
             b',"stop_reason":', sr_s.encode(),
             b',"token_ids":', token_ids,

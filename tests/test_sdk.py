@@ -44,6 +44,7 @@ def test_sample_result(sampler):
     assert resp.prompt_logprobs is None
 
 
+@pytest.mark.filterwarnings("ignore:.*sample_async.*:FutureWarning")  # deprecated in 0.38, still supported
 def test_sample_async_many_in_flight(sampler):
     from tinker import types
 
@@ -57,6 +58,16 @@ def test_sample_async_many_in_flight(sampler):
     results = asyncio.run(go())
     for i, resp in enumerate(results):
         _check(resp, engine_body([7, i], 1, 300, i, temperature=0.8))
+
+
+def test_await_sample(sampler):
+    from tinker import types
+
+    async def go():
+        return await sampler.sample(prompt=types.ModelInput.from_ints([70, 71]), num_samples=2,
+                                    sampling_params=types.SamplingParams(max_tokens=33, seed=8))
+
+    _check(asyncio.run(go()), engine_body([70, 71], 2, 33, 8))
 
 
 def test_num_samples_greater_than_one(sampler):

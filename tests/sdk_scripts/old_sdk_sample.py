@@ -60,7 +60,9 @@ def main() -> None:
         status, ctype, body = post("/api/v1/retrieve_future", {"request_id": rid})
         if status == 200:
             break
-    parsed = types.SampleResponse.model_validate_json(body)
+    from tinker.lib._pydantic_conv import deserialize_json_response  # the SDK's own JSON read path
+
+    parsed = deserialize_json_response(json.loads(body), types.SampleResponse)
     out["json_form"] = {"content_type": ctype, "seqs": seqs(parsed), "prompt_logprobs": parsed.prompt_logprobs,
                         "topk_prompt_logprobs": parsed.topk_prompt_logprobs}
     print(json.dumps(out))
