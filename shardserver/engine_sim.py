@@ -22,8 +22,18 @@ any larger ``max_tokens``. Token text comes from a deterministic fake vocabulary
 contains non-ASCII text, empty strings (0.30's partial-UTF-8 repair), ``"\\n\\n"``, quotes,
 backslashes and control characters, with ``"<|endoftext|>"`` as EOS.
 
-Rendered bodies are cached in an LRU bounded by total bytes, keyed by the full
-deterministic input, so repeated requests cost a dictionary lookup plus a copy.
+Speed: all generated tokens are windows of one pre-rendered token "pool" per generation
+config (see the "Deterministic generation" section), so an uncached 32768-token body with
+``logprobs=1`` is built in ~5 ms; bodies are also cached in an LRU bounded by total bytes,
+keyed by the full deterministic input, and sent without copying (head and tail written
+separately). Different seeds read overlapping windows of the same pool; that is fine for
+a fake, but means token streams of different requests can share long stretches.
+
+Sim-only conventions: the request's ``Content-Type`` must be ``application/json`` (as in
+vLLM); ``model`` must match ``SimConfig.model_name`` when given (404 otherwise, see
+``check_model``); ``stream`` is ignored (always non-streaming); a string prompt or several
+prompts in one request are rejected with 400; greedy requests (temperature 0) ignore the
+seed and report every sampled token as the top-1.
 
 Public API: :class:`SimConfig`, :class:`FaultRule`, :class:`SimRequestError`,
 :func:`make_app`, :func:`start_sim`, :func:`stop_sim`, :func:`render_completion`,
@@ -96,11 +106,12 @@ class FaultRule:
 
     Matching (all given matchers must hold; a rule with no matcher matches every request):
 
-    * ``every_nth``: the running completion-request count (1-based, since start or
-      ``/_sim/reset``) is a multiple of N.
+    * ``every_nth``: the running count of valid completion requests (1-based, since start
+      or ``/_sim/reset``) is a multiple of N.
     * ``probability``: a draw from this rule's own ``random.Random`` (seeded from
       ``SimConfig.fault_seed`` and the rule's position) is below p. One draw is made per
-      request that reaches the rule, so the sequence is reproducible.
+      request whose other matchers passed, so the sequence is reproducible (re-seeded by
+      ``/_sim/reset`` and whenever the fault list changes).
     * ``first_token_id``: the prompt's first token id equals this value; lets a test target
       one request deterministically.
     * ``times``: fire at most this many times (None = unlimited), e.g. "fail once, then
@@ -352,7 +363,8 @@ def _check_fields(cls: type, m: Mapping[str, Any], prefix: str) -> dict[str, Any
 
 _PUNCT = [".", ",", "!", "?", ":", ";", "-", "(", ")", "/", "'", "=", "+", "*", "#", "...", " -", " (", "):", "/*"]
 _WS = ["\n", "\n\n", "\t", "  ", " \n", "\r\n", "    ", "\n\n\n", " "]
-_NONASCII = ["é", " über", "中文", "日本語", "🙂", "\u2028", "\u00a0", "ß", "\ufffd", "Ω", " naïve", "—", " café",
+_NONASCII = ["é", " über", "中文", "日本語", "🙂", "\u2028", "\u00a0", "ß", "\ufffd", "Ω", " naïve", "—",
+             " café",
              "\u2029", "😀😀", " 京", "Ж", "ü", "→", "\u200b"]
 _ESCAPEY = ['"', "\\", '\\"', "\\n", "\x00", "\x01", "\x1b", "\x1f", "\x7f", "\b", "\f", '"}', "',", '{"',
             "\\\\", "\r", "\x0b", "</", "<think>", " \"\\"]
@@ -493,7 +505,8 @@ class _Req:
 
 def _parse_request(obj: Any, cfg: SimConfig) -> _Req:
     if not isinstance(obj, dict):
-        raise _pydantic("", "model_attributes_type", "Input should be a valid dictionary or object to extract fields from")
+        raise _pydantic("", "model_attributes_type",
+                        "Input should be a valid dictionary or object to extract fields from")
     if "prompt" not in obj or obj["prompt"] is None:
         raise _pydantic("prompt", "missing", "Field required")
     prompt = obj["prompt"]
@@ -567,7 +580,8 @@ def _parse_request(obj: Any, cfg: SimConfig) -> _Req:
     if n < 1:
         raise _bad(f"n must be at least 1, got {n}.", "n", n)
     if temperature < 0.0 or temperature > 2.0:
-        raise _bad(f"temperature must be in [0, 2], got {_num_text(temperature)}.", "temperature", _num_text(temperature))
+        t = _num_text(temperature)
+        raise _bad(f"temperature must be in [0, 2], got {t}.", "temperature", t)
     if n > 1 and temperature < _SAMPLING_EPS:
         raise SimRequestError(400, f"n must be 1 when using greedy sampling, got {n}.", "BadRequestError", None)
     if not 0.0 < top_p <= 1.0:
@@ -738,7 +752,10 @@ class _Pool:
                 top1_form.append(single)
             else:
                 et = esc[ti]
-                top1_form.append("{" + es + ":" + tl + "}" if es == et else "{" + es + ":" + lp + "," + et + ":" + tl + "}")
+                if es == et:  # two ids, one string: the later (top-1) value wins
+                    top1_form.append("{" + es + ":" + tl + "}")
+                else:
+                    top1_form.append("{" + es + ":" + lp + "," + et + ":" + tl + "}")
         self.j_ids = _Joined(list(map(str, ids_l)), b",")
         self.j_lps = _Joined(lp_s, b",")
         self.j_tok = _Joined(tok, b",")
@@ -1521,25 +1538,34 @@ async def _completions_inner(request: web.Request, st: _SimState) -> web.StreamR
 
     xrid = request.headers.get("X-Request-Id")
     rid, created = _ids_for(cfg, key, ("cmpl-" + xrid) if xrid else None, None)
-    body = _head(rid, created) + tail
+    head = _head(rid, created)
+    total = len(head) + len(tail)
+    # Head and (cached) tail go out as two writes: no copy of a multi-MB body per request.
+    resp = web.StreamResponse(status=200)
+    resp.content_type = "application/json"
+    resp.content_length = total
+    await resp.prepare(request)
 
     if terminal is not None and terminal.kind == "truncate":
-        cut = terminal.truncate_bytes if terminal.truncate_bytes is not None else int(len(body) * terminal.truncate_fraction)
-        cut = max(0, min(cut, len(body) - 1))
-        resp = web.StreamResponse(status=200)
-        resp.content_type = "application/json"
-        resp.content_length = len(body)
-        await resp.prepare(request)
+        cut = terminal.truncate_bytes
+        if cut is None:
+            cut = int(total * terminal.truncate_fraction)
+        cut = max(0, min(cut, total - 1))
         if cut:
-            await resp.write(body[:cut])
+            await resp.write(head[:cut])
+            if cut > len(head):
+                await resp.write(tail[: cut - len(head)])
         _count(st, 200, cut)
         transport = request.transport
         if transport is not None:
-            transport.close()
-        raise asyncio.CancelledError()  # stop aiohttp from finishing the response
+            transport.close()  # flushes what was written, then closes: the client sees a short body
+        raise asyncio.CancelledError()  # keep aiohttp from finishing the response
 
-    _count(st, 200, len(body))
-    return _json_response(200, body)
+    await resp.write(head)
+    await resp.write(tail)
+    await resp.write_eof()
+    _count(st, 200, total)
+    return resp
 
 
 async def _sim_config_get(request: web.Request) -> web.Response:
