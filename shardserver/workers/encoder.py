@@ -297,10 +297,14 @@ class EncoderCore:
                     self._evict_delivered_until(lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(len(js)))
                     e.json_slot = self.arena.write(js)
                 if e.json_slot is None:
-                    return {"state": "busy", "reason": "no arena space for the JSON form; retry"}
+                    # No room to cache the JSON form: hand out the proto and let the front-end
+                    # derive JSON from it for this one response.
+                    self.counters["json_uncached"] += 1
+                    return {"state": DONE, "arena": self.arena.name, "off": slot.offset, "len": slot.length,
+                            "gen": slot.generation, "form": "proto"}
             slot = e.json_slot
         return {"state": DONE, "arena": self.arena.name, "off": slot.offset, "len": slot.length,
-                "gen": slot.generation}
+                "gen": slot.generation, "form": want}
 
     def delivered_ok(self, fid: str) -> None:
         """The front-end sent this future's result to a connected client: start the retrieved TTL."""

@@ -29,6 +29,7 @@ from ..api_models import (
     RetrieveFutureRequest,
     SampleRequest,
 )
+from ..codec import sample_response_to_json
 from ..config import Config
 from ..control import ControlClient, Kind
 from ..errors import EncoderDeadError, SlotInvalidError
@@ -360,6 +361,8 @@ def create_app(ctx: FrontendContext) -> FastAPI:
                 except (SlotInvalidError, FileNotFoundError) as exc:
                     log.debug("re-polling %s after a stale read: %s", fid, exc)
                     continue
+                if want == "json" and reply.get("form") == "proto":
+                    data = sample_response_to_json(data)
                 ctx.count("retrieve_done")
                 ctx.count("bytes_delivered", len(data))
                 return ResultResponse(
@@ -375,10 +378,6 @@ def create_app(ctx: FrontendContext) -> FastAPI:
                 client.send(Kind.DELIVERED, {"fid": fid})
                 return JSONResponse({"error": reply.get("error", "failed"), "category": reply.get("category", "unknown")},
                                     headers=fe_header)
-            if state == "busy":
-                ctx.count("retrieve_429")
-                return JSONResponse({"error": reply.get("reason", "busy")}, status_code=429,
-                                    headers={**fe_header, "Retry-After": "1"})
             ctx.count("retrieve_410")
             return JSONResponse({"error": f"future {reply.get('reason', 'is gone')}; resubmit"},
                                 status_code=410, headers=fe_header)

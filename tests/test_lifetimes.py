@@ -1,0 +1,211 @@
+"""Result lifetimes: TTLs, long-poll pacing, arena reuse under concurrent streaming, backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from conftest import BASE_MODEL, Api, engine_body
+from shardserver.testing import RunningServer, http_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+
+def _sample(api: Api, ssid: str, tokens: list[int], seq_id: int, max_tokens: int = 4) -> str:
+    st, _, b = api.post("/api/v1/asample", {"sampling_session_id": ssid, "seq_id": seq_id, "num_samples": 1,
+                                            "prompt": {"chunks": [{"tokens": tokens}]},
+                                            "sampling_params": {"max_tokens": max_tokens, "seed": 1}})
+    assert st == 200, b
+    return json.loads(b)["request_id"]
+
+
+def test_ttls_and_long_poll():
+    env = {"SHARDSERVER_FUTURES__RETRIEVED_TTL_S": "0.5", "SHARDSERVER_FUTURES__COMPLETED_TTL_S": "30",
+           "SHARDSERVER_FUTURES__PENDING_TTL_S": "1.5", "SHARDSERVER_FUTURES__LONG_POLL_S": "1",
+           "SHARDSERVER_FUTURES__SWEEP_INTERVAL_S": "0.1", "SHARDSERVER_SERVER__FRONT_ENDS": "1"}
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        delivered = _sample(api, ssid, [1, 2], 0)
+        undelivered = _sample(api, ssid, [1, 3], 1)
+        st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": delivered})
+        assert st == 200
+        # A retry right after delivery (a lost response) still finds it ...
+        st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": delivered})
+        assert st == 200
+        time.sleep(1.2)
+        # ... but not after the retrieved TTL; the undelivered one is kept (completed TTL 30 s).
+        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": delivered})
+        assert st == 410 and "resubmit" in json.loads(b)["error"]
+        st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": undelivered})
+        assert st == 200
+
+    env.update({"SHARDSERVER_SIMULATOR__LATENCY_S": "4"})
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        slow = _sample(api, ssid, [4, 4], 0)
+        t0 = time.monotonic()
+        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": slow})
+        held = time.monotonic() - t0
+        # Held for futures.long_poll_s, then a quiet try-again the SDK re-polls at once.
+        assert st == 408 and json.loads(b) == {"type": "try_again", "request_id": slow, "queue_state": "active"}
+        assert 0.9 <= held < 2.5
+        time.sleep(1.0)
+        # Past the pending TTL the engine's late answer is no longer awaited: 410, the SDK resubmits.
+        st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": slow})
+        assert st == 410
+        stats = s.stats()
+        assert sum(sh["counters"].get("expired", 0) for sh in stats["shards"]) == 1
+
+
+def test_engine_unreachable_fails_with_server_category():
+    env = {"SHARDSERVER_ENGINE__URL": "http://127.0.0.1:9", "SHARDSERVER_ENGINE__CONNECT_RETRIES": "1",
+           "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_SHARDS__COUNT": "1"}
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        rid = _sample(api, api.sampling_session(), [1], 0)
+        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
+        err = json.loads(b)
+        assert st == 200 and err["category"] == "server" and "cannot connect to engine" in err["error"]
+
+
+async def _drive(url: str, jobs: list[tuple[list[int], int]], tokens: int, concurrency: int,
+                 expected: dict[tuple, int]) -> dict[str, int]:
+    """Sample every job with SDK-like retries; check each delivered body's CRC; return counts."""
+    import aiohttp
+    from tinker.proto import tinker_public_pb2
+
+    counts = {"ok": 0, "asample_429": 0, "retrieve_410": 0, "second_poll_ok": 0, "second_poll_410": 0}
+    api = Api(url)
+    ssid = api.sampling_session()
+    sem = asyncio.Semaphore(concurrency)
+    deadline = time.monotonic() + 90
+    async with aiohttp.ClientSession() as sess:
+        async def one(idx: int, prompt: list[int], seed: int) -> None:
+            async with sem:
+                seq = idx * 1000
+                while time.monotonic() < deadline:
+                    body = {"sampling_session_id": ssid, "seq_id": seq, "num_samples": 1,
+                            "prompt": {"chunks": [{"tokens": prompt}]},
+                            "sampling_params": {"max_tokens": tokens, "seed": seed}}
+                    async with sess.post(url + "/api/v1/asample", json=body) as r:
+                        if r.status == 429:
+                            counts["asample_429"] += 1
+                            await asyncio.sleep(0.05)
+                            continue  # the SDK re-sends the same seq_id after a 429
+                        assert r.status == 200, await r.text()
+                        rid = (await r.json())["request_id"]
+                    polls = 0
+                    while polls < 2:
+                        async with sess.post(url + "/api/v1/retrieve_future", json={"request_id": rid},
+                                             headers={"Accept": "application/x-protobuf"}) as r:
+                            data = await r.read()
+                            status = r.status
+                        if status == 408:
+                            continue
+                        if status == 410:
+                            key = "retrieve_410" if polls == 0 else "second_poll_410"
+                            counts[key] += 1
+                            if polls == 0:
+                                seq += 1  # the SDK resubmits with a new seq_id
+                                break
+                            return
+                        assert status == 200, data[:200]
+                        m = tinker_public_pb2.SampleResponse()
+                        m.ParseFromString(data)
+                        crc = zlib.crc32(m.sequences[0].tokens + m.sequences[0].logprobs)
+                        assert crc == expected[(tuple(prompt), seed)], f"corrupt body for job {idx}"
+                        counts["ok" if polls == 0 else "second_poll_ok"] += 1
+                        polls += 1
+                    if polls == 2:
+                        return
+                raise AssertionError(f"job {idx} did not finish in time")
+
+        await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(jobs)))
+    return counts
+
+
+def test_small_arena_reuse_under_concurrent_streaming():
+    """Fill and reuse 1 MiB arenas while 24 clients stream: every delivered body matches its CRC."""
+    tokens = 4096  # 32 KB of proto per result; a 1 MiB arena holds ~30 results or reservations
+    env = {"SHARDSERVER_SHARDS__ARENA_BYTES": str(1 << 20), "SHARDSERVER_SHARDS__COUNT": "2",
+           "SHARDSERVER_FUTURES__RETRIEVED_TTL_S": "30", "SHARDSERVER_SERVER__FRONT_ENDS": "2"}
+    jobs = [([700 + i % 7, 1, 2], i % 11) for i in range(240)]
+    expected = {}
+    for p, seed in set((tuple(p), s) for p, s in jobs):
+        ch = engine_body(list(p), 1, tokens, seed)["choices"][0]
+        expected[(p, seed)] = zlib.crc32(np.asarray(ch["token_ids"], dtype="<i4").tobytes()
+                                         + np.asarray(ch["logprobs"]["token_logprobs"], dtype="<f4").tobytes())
+    with RunningServer(env=env) as s:
+        counts = asyncio.run(_drive(s.url, jobs, tokens, 24, expected))
+        stats = s.stats()
+    evicted = sum(sh["counters"].get("evicted", 0) for sh in stats["shards"])
+    rejected = sum(sh["counters"].get("rejected_429", 0) for sh in stats["shards"])
+    assert counts["ok"] == len(jobs)  # every job delivered, each body checked
+    assert counts["retrieve_410"] == 0, "an undelivered result was evicted"
+    assert evicted > 100, "the arena was not reused"
+    assert rejected == counts["asample_429"]
+    assert counts["second_poll_ok"] + counts["second_poll_410"] == len(jobs)
+
+
+def test_full_arena_answers_429_and_keeps_undelivered_results():
+    env = {"SHARDSERVER_SHARDS__ARENA_BYTES": str(1 << 20), "SHARDSERVER_SHARDS__COUNT": "1",
+           "SHARDSERVER_SERVER__FRONT_ENDS": "1"}
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rids, status = [], 200
+        for i in range(40):  # 32768 tokens reserve 256 KB each: the 5th does not fit
+            st, h, b = api.post("/api/v1/asample", {
+                "sampling_session_id": ssid, "seq_id": i, "num_samples": 1,
+                "prompt": {"chunks": [{"tokens": [i, 5]}]}, "sampling_params": {"max_tokens": 32768, "seed": 1}})
+            if st != 200:
+                status = st
+                assert h.get("retry-after") == "1" and "arena is full" in json.loads(b)["error"]
+                break
+            rids.append(json.loads(b)["request_id"])
+        assert status == 429 and len(rids) == 3
+        for rid in rids:  # nothing undelivered was evicted to make room
+            st, h, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
+            # JSON asked for; the full arena cannot cache the JSON form, so it is derived per response.
+            assert st == 200 and h["content-type"].startswith("application/json")
+            assert len(json.loads(b)["sequences"][0]["tokens"]) == 32768
+        # Delivered results are evicted for new work, oldest delivery first.
+        st, _, b = api.post("/api/v1/asample", {
+            "sampling_session_id": ssid, "seq_id": 100, "num_samples": 1,
+            "prompt": {"chunks": [{"tokens": [9, 5]}]}, "sampling_params": {"max_tokens": 32768, "seed": 1}})
+        assert st == 200
+        counters = s.stats()["shards"][0]["counters"]
+        assert counters["rejected_429"] == 1 and counters["evicted"] >= 1 and counters["json_uncached"] >= 3
+        st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": rids[0]})
+        assert st == 410
+
+
+def test_sdk_backs_off_on_429_and_completes():
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+    from tinker import types
+
+    env = {"SHARDSERVER_SHARDS__ARENA_BYTES": str(1 << 20), "SHARDSERVER_SHARDS__COUNT": "1",
+           "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_FUTURES__RETRIEVED_TTL_S": "0.2"}
+    with RunningServer(env=env) as s:
+        sampler = tinker.ServiceClient(base_url=s.url, api_key="tml-t").create_sampling_client(
+            base_model=BASE_MODEL).result(60)
+
+        async def go():
+            return await asyncio.gather(*(sampler.sample(
+                prompt=types.ModelInput.from_ints([i, 3]), num_samples=1,
+                sampling_params=types.SamplingParams(max_tokens=32768, seed=2)) for i in range(8)))
+
+        results = asyncio.run(go())
+        assert [len(r.sequences[0].tokens) for r in results] == [32768] * 8
+        want = engine_body([5, 3], 1, 32768, 2)["choices"][0]["token_ids"]
+        assert list(results[5].sequences[0].tokens) == want
+        assert s.stats()["shards"][0]["counters"]["rejected_429"] >= 1
