@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 SDK024 := .venv-sdk024
+SDK015 := .venv-sdk015
 PIP_FLAGS := --quiet --disable-pip-version-check
 
 .PHONY: demo test bench clean
@@ -11,20 +12,26 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[test]'
 	touch $@
 
-# A second environment with a JSON-era SDK (tinker 0.24.1) for the compatibility tests.
+# Environments with older SDKs for the compatibility tests: 0.24.1 (the last JSON-capable
+# release; asks for proto first) and 0.15.0 (asks for JSON only, no /client/config).
 $(SDK024)/.installed:
 	$(PYTHON) -m venv $(SDK024)
 	$(SDK024)/bin/pip install $(PIP_FLAGS) 'tinker==0.24.1'
 	touch $@
 
+$(SDK015)/.installed:
+	$(PYTHON) -m venv $(SDK015)
+	$(SDK015)/bin/pip install $(PIP_FLAGS) 'tinker==0.15.0'
+	touch $@
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/shardserver demo --config configs/demo.toml
 
-test: $(VENV)/.installed $(SDK024)/.installed
-	SHARDSERVER_SDK024_PYTHON=$(CURDIR)/$(SDK024)/bin/python $(VENV)/bin/python -m pytest
+test: $(VENV)/.installed $(SDK024)/.installed $(SDK015)/.installed
+	SHARDSERVER_OLD_SDKS_REQUIRED=1 $(VENV)/bin/python -m pytest
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/bench_codec.py
 
 clean:
-	rm -rf $(VENV) $(SDK024) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(SDK024) $(SDK015) .pytest_cache .hypothesis build *.egg-info

@@ -99,11 +99,14 @@ def api(server) -> Api:
     return Api(server.url)
 
 
-def sdk024_python() -> str | None:
-    p = os.environ.get("SHARDSERVER_SDK024_PYTHON")
-    if p:
-        assert os.path.exists(p), f"SHARDSERVER_SDK024_PYTHON={p} does not exist (run `make test`)"
-        return p
-    default = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-sdk024", "bin",
-                           "python")
-    return default if os.path.exists(default) else None
+def old_sdk_python(venv: str) -> str | None:
+    """The python of an old-SDK virtualenv that `make test` builds (``.venv-sdk024``, ``.venv-sdk015``).
+
+    Missing is a failure under `make test` (SHARDSERVER_OLD_SDKS_REQUIRED=1), a skip otherwise.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    py = os.path.join(root, venv, "bin", "python")
+    if os.path.exists(py):
+        return py
+    assert not os.environ.get("SHARDSERVER_OLD_SDKS_REQUIRED"), f"{py} is missing (make test builds it)"
+    return None

@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import BASE_MODEL, engine_body, expected_prompt_logprobs, expected_sequences, sdk024_python
+from conftest import BASE_MODEL, engine_body, expected_prompt_logprobs, expected_sequences, old_sdk_python
 
 pytestmark = [pytest.mark.sdk, pytest.mark.timeout(180)]
 
@@ -120,15 +120,17 @@ def test_stop_token_ids_map_to_stop(sampler, server):
     assert resp.sequences[0].tokens[-1] == stop_tok
 
 
-def test_old_sdk_0_24_1(server):
-    py = sdk024_python()
+@pytest.mark.parametrize("version,venv", [("0.24.1", ".venv-sdk024"), ("0.15.0", ".venv-sdk015")])
+def test_old_sdk(server, version, venv):
+    """0.24.1 asks for proto first (Accept: application/x-protobuf, application/json); 0.15.0 asks for JSON."""
+    py = old_sdk_python(venv)
     if py is None:
-        pytest.skip("no tinker 0.24.1 environment (make test builds .venv-sdk024)")
+        pytest.skip(f"no tinker {version} environment (make test builds {venv})")
     proc = subprocess.run([py, os.path.join(os.path.dirname(__file__), "sdk_scripts", "old_sdk_sample.py"),
                            server.url], capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["version"] == "0.24.1"
+    assert out["version"] == version
     want = expected_sequences(engine_body([11, 12, 13], 2, 7, 5))
     for seq, w in zip(out["plain"], want):
         assert seq["tokens"] == w["tokens"]

@@ -60,9 +60,12 @@ def main() -> None:
         status, ctype, body = post("/api/v1/retrieve_future", {"request_id": rid})
         if status == 200:
             break
-    from tinker.lib._pydantic_conv import deserialize_json_response  # the SDK's own JSON read path
+    try:  # the SDK's own JSON read path (0.24), or its pydantic model (0.15-0.23)
+        from tinker.lib._pydantic_conv import deserialize_json_response
 
-    parsed = deserialize_json_response(json.loads(body), types.SampleResponse)
+        parsed = deserialize_json_response(json.loads(body), types.SampleResponse)
+    except ImportError:
+        parsed = types.SampleResponse.model_validate_json(body)
     out["json_form"] = {"content_type": ctype, "seqs": seqs(parsed), "prompt_logprobs": parsed.prompt_logprobs,
                         "topk_prompt_logprobs": parsed.topk_prompt_logprobs}
     print(json.dumps(out))
