@@ -584,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "results"), help="output folder")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C so every started server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     spec = load_scenario(args.scenario, args.quick, args.set)
     cores = plan_cores(args.driver_cores, not args.no_pin)

@@ -58,8 +58,13 @@ def _cmd_engine_sim(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
+    from .auth import load_key_table
+
     cfg = build_config(args)
-    print(json.dumps(cfg.as_dict(mask_secrets=True), indent=2, sort_keys=False))
+    shown = cfg.as_dict(mask_secrets=True)
+    # Read the keys as `serve` would (a ConfigError names auth.keys_file); show only their number.
+    shown["auth"]["keys_loaded"] = len(load_key_table(cfg.auth))
+    print(json.dumps(shown, indent=2, sort_keys=False))
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -104,6 +105,8 @@ class EngineConfig:
     # Used to bound arena reservations when a request has no max_tokens.
     max_model_len: int = 65536
     max_num_samples: int = 64
+    # Seconds between the encoders' engine probes (GET {url}/health) for /readyz; 0 = no probing.
+    health_interval_s: float = 5.0
 
     def validate(self) -> None:
         _check(self.url, "engine.url", self.url == "" or self.url.startswith(("http://", "https://")),
@@ -115,6 +118,7 @@ class EngineConfig:
         _check(self.max_abort_resubmits, "engine.max_abort_resubmits", self.max_abort_resubmits >= 0, "must be >= 0")
         _check(self.max_model_len, "engine.max_model_len", self.max_model_len >= 1, "must be >= 1")
         _check(self.max_num_samples, "engine.max_num_samples", self.max_num_samples >= 1, "must be >= 1")
+        _check(self.health_interval_s, "engine.health_interval_s", self.health_interval_s >= 0, "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +146,13 @@ class FuturesConfig:
 
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
-    """API keys. ``mode = "open"`` accepts any key the SDK sends (it must start with ``tml-``)."""
+    """API keys (see :mod:`shardserver.auth`).
+
+    ``mode = "open"`` accepts every request (the SDK still sends a ``tml-`` key); ``mode = "keys"``
+    requires one of the keys read at start from ``keys_file`` (one per line, ``#`` comments)
+    and from the environment variable named by ``keys_env`` (comma-separated). The keys
+    themselves never appear in the config.
+    """
 
     mode: str = "open"
     keys_file: str = ""
@@ -150,6 +160,10 @@ class AuthConfig:
 
     def validate(self) -> None:
         _check(self.mode, "auth.mode", self.mode in ("open", "keys"), 'must be "open" or "keys"')
+        if self.keys_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.keys_env):
+            # Never echo the value: it may be a key put here by mistake.
+            raise ConfigError("auth.keys_env", "must be the name of an environment variable that holds the keys "
+                                               "(letters, digits, _), not a key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,10 +204,8 @@ class Config:
         for name in _SECTIONS:
             sec = getattr(self, name)
             d = {f.name: getattr(sec, f.name) for f in fields(sec)}
-            if mask_secrets and name == "server" and d.get("id_secret"):
-                d["id_secret"] = "***"
-            out[name] = d
-        out["simulator"] = dict(self.simulator)
+            out[name] = _mask(d) if mask_secrets else d
+        out["simulator"] = _mask(dict(self.simulator)) if mask_secrets else dict(self.simulator)
         return out
 
 
@@ -204,6 +216,30 @@ _SECTIONS: dict[str, type] = {
     "futures": FuturesConfig,
     "auth": AuthConfig,
 }
+
+
+# Field names whose values are secrets; ``auth.keys_file`` and ``auth.keys_env`` only name where keys are.
+_SECRET_NAME_PARTS = ("secret", "password", "passwd", "token", "api_key", "apikey", "credential")
+
+
+def _mask(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with secret-looking values replaced by ``"***"``: values of secret-named fields
+    (``id_secret``, ``*token*``, ``*password*``, ...) and any string that looks like an API key
+    (starts with ``tml-`` or is a JWT, ``eyJ...``); ``user:password@`` in URLs becomes ``***@``."""
+    out = {}
+    for k, v in d.items():
+        kl = k.lower()
+        if v not in ("", None) and any(p in kl for p in _SECRET_NAME_PARTS):
+            v = "***"
+        elif isinstance(v, str) and v.startswith(("tml-", "eyJ")):
+            v = "***"
+        elif isinstance(v, str) and "://" in v and "@" in v.split("://", 1)[1].split("/", 1)[0]:
+            scheme, rest = v.split("://", 1)
+            v = f"{scheme}://***@{rest.split('@', 1)[1]}"  # credentials in a URL
+        elif isinstance(v, dict):
+            v = _mask(v)
+        out[k] = v
+    return out
 
 
 def _check(value: Any, key: str, ok: bool, reason: str) -> None:

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunningServer", "http_json", "our_shm_segments", "our_processes"]
+__all__ = ["RunningServer", "http_json", "our_shm_segments", "our_processes", "leftovers_of_started_servers"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,6 +62,16 @@ def our_processes() -> list[tuple[int, str]]:
     return out
 
 
+def leftovers_of_started_servers() -> tuple[list[int], list[str]]:
+    """(live pids, /dev/shm segment names) left by the servers this process started.
+
+    Scoped to those servers so that concurrent runs on the same machine do not interfere.
+    """
+    pids = [p for g in RunningServer.started_pgids for p in _group_members(g)]
+    segs = [n for n in our_shm_segments() if any(n.startswith(f"shardserver-{g}-") for g in RunningServer.started_pgids)]
+    return pids, segs
+
+
 def _group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group."""
     out = []
@@ -88,6 +98,9 @@ class RunningServer:
         start_timeout: seconds to wait for readiness.
     """
 
+    # Process groups (= supervisor pids) of every server started from this process.
+    started_pgids: list[int] = []
+
     def __init__(self, config: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
                  args: list[str] | None = None, start_timeout: float = 60.0) -> None:
         self.config = str(config or REPO / "configs" / "demo.toml")
@@ -107,6 +120,7 @@ class RunningServer:
                "--host", "127.0.0.1", "--port", "0", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      cwd=str(REPO), start_new_session=True)
+        RunningServer.started_pgids.append(self.proc.pid)
         ready = threading.Event()
 
         def pump() -> None:

@@ -8,19 +8,17 @@ import os
 import numpy as np
 import pytest
 
-from shardserver.testing import RunningServer, http_json, our_processes, our_shm_segments
+from shardserver.testing import RunningServer, http_json, leftovers_of_started_servers
 
 BASE_MODEL = "Qwen/Qwen3-8B"
 
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
-    """After the whole suite: no shardserver process and no /dev/shm segment of ours."""
-    before = set(our_shm_segments())
+    """After the whole suite: no process and no /dev/shm segment of any server the tests started."""
     yield
-    left = set(our_shm_segments()) - before
-    procs = our_processes()
-    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+    procs, segs = leftovers_of_started_servers()
+    assert not segs, f"shared-memory segments left behind: {segs}"
     assert not procs, f"processes left behind: {procs}"
 
 
@@ -92,6 +90,15 @@ class Api:
                              {"session_id": json.loads(b)["session_id"], "base_model": BASE_MODEL})
         assert st == 200, b
         return json.loads(b)["sampling_session_id"]
+
+    def submit(self, ssid: str, tokens: list[int], seq_id: int = 0, max_tokens: int = 4, seed: int = 1) -> str:
+        """asample one sample; returns its request_id (asserts 200)."""
+        st, _, b = self.post("/api/v1/asample", {
+            "sampling_session_id": ssid, "seq_id": seq_id, "num_samples": 1,
+            "prompt": {"chunks": [{"tokens": tokens}]},
+            "sampling_params": {"max_tokens": max_tokens, "seed": seed}})
+        assert st == 200, b
+        return json.loads(b)["request_id"]
 
 
 @pytest.fixture(scope="module")

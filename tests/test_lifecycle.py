@@ -38,12 +38,7 @@ def _group(pgid: int) -> list[tuple[int, str]]:
 
 
 def _submit(api: Api, tokens: list[int], seq_id: int = 0, max_tokens: int = 4) -> str:
-    ssid = api.sampling_session()
-    st, _, b = api.post("/api/v1/asample", {"sampling_session_id": ssid, "seq_id": seq_id, "num_samples": 1,
-                                            "prompt": {"chunks": [{"tokens": tokens}]},
-                                            "sampling_params": {"max_tokens": max_tokens, "seed": 1}})
-    assert st == 200, b
-    return json.loads(b)["request_id"]
+    return api.submit(api.sampling_session(), tokens, seq_id, max_tokens)
 
 
 def test_process_titles_and_sigterm_cleanup():

@@ -18,11 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 def _sample(api: Api, ssid: str, tokens: list[int], seq_id: int, max_tokens: int = 4) -> str:
-    st, _, b = api.post("/api/v1/asample", {"sampling_session_id": ssid, "seq_id": seq_id, "num_samples": 1,
-                                            "prompt": {"chunks": [{"tokens": tokens}]},
-                                            "sampling_params": {"max_tokens": max_tokens, "seed": 1}})
-    assert st == 200, b
-    return json.loads(b)["request_id"]
+    return api.submit(ssid, tokens, seq_id, max_tokens)
 
 
 def test_ttls_and_long_poll():

@@ -1,0 +1,138 @@
+"""Readiness: every encoder connected and the engine reachable from every encoder.
+
+Each encoder runs an :class:`EngineProbe`: every ``engine.health_interval_s``
+seconds one ``GET {engine.url}/health`` on a connection of its own (so a busy
+request pool never delays it), bounded by ``engine.connect_timeout_s``. The
+last result is part of the encoder's STATS reply (``"engine": {"ok",
+"reason", "age_s"}``). A front-end answering ``/readyz`` asks every encoder
+for STATS (:func:`readiness`) and answers 200 only when all of them answer and
+report the engine reachable; otherwise 503 with the reason.
+
+An answer below 500 counts as reachable (vLLM answers 200; a router or proxy
+without ``/health`` answers 404, which still proves the engine host is
+serving HTTP). A 5xx, a timeout or a connection error counts as unreachable.
+State changes are logged once (warning when the engine goes down, info when
+it comes back), never per probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+__all__ = ["EngineProbe", "readiness"]
+
+log = logging.getLogger("shardserver.health")
+
+
+class EngineProbe:
+    """Periodic engine reachability check of one encoder.
+
+    Args:
+        url: the engine base URL (``http://host:port``).
+        interval_s: seconds between probes; 0 disables probing (the engine always counts as reachable).
+        timeout_s: seconds one probe may take (connect and answer).
+        shard: the encoder's shard index, for log lines.
+    """
+
+    def __init__(self, url: str, interval_s: float, timeout_s: float, shard: int = 0) -> None:
+        self.url = url.rstrip("/") + "/health"
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.shard = shard
+        self.ok: bool | None = True if interval_s <= 0 else None
+        self.reason = "engine probing disabled (engine.health_interval_s = 0)" if interval_s <= 0 else \
+            "engine not probed yet"
+        self.checked_at = 0.0
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start probing in the running event loop (the first probe runs at once)."""
+        if self.interval_s <= 0:
+            return
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1, force_close=True),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-probe-{self.shard}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _loop(self) -> None:
+        while True:
+            await self.check_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def check_once(self) -> bool:
+        """Probe once and record the result; returns whether the engine is reachable."""
+        assert self._session is not None, "EngineProbe.start() was not called"
+        try:
+            async with self._session.get(self.url) as resp:
+                status = resp.status
+                await resp.read()
+            if status >= 500:
+                ok, reason = False, f"engine answered GET {self.url} with HTTP {status}"
+            else:
+                ok, reason = True, ""
+        except asyncio.TimeoutError:
+            ok, reason = False, f"engine did not answer GET {self.url} within {self.timeout_s} s"
+        except aiohttp.ClientError as exc:
+            ok, reason = False, f"cannot reach engine at {self.url}: {exc}"
+        except OSError as exc:
+            ok, reason = False, f"cannot reach engine at {self.url}: {exc}"
+        if ok != self.ok:
+            if ok:
+                log.info("encoder %d: engine reachable (%s)", self.shard, self.url)
+            else:
+                log.warning("encoder %d: engine unreachable: %s", self.shard, reason)
+        self.ok, self.reason, self.checked_at = ok, reason, time.monotonic()
+        return ok
+
+    def state(self) -> dict[str, Any]:
+        """``{"ok": bool | None, "reason": str, "age_s": float | None}`` (None: not probed yet)."""
+        return {"ok": self.ok, "reason": self.reason,
+                "age_s": round(time.monotonic() - self.checked_at, 3) if self.checked_at else None}
+
+
+async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
+    """The ``/readyz`` answer of a front-end: (HTTP status, JSON body).
+
+    200 ``{"status": "ready", "encoders": S}`` when every encoder is connected, answers STATS
+    within ``timeout`` seconds and reports its last engine probe successful (an encoder whose
+    STATS has no ``engine`` entry does not probe and does not block readiness). Otherwise 503
+    ``{"status": "not ready", "reason": "...", "encoders_down": [...], "engine_down": [...]}``.
+    """
+    from .metrics import gather_stats
+
+    replies = await gather_stats(clients, timeout)
+    reasons: list[str] = []
+    down: list[int] = []
+    engine_down: list[int] = []
+    for r in replies:
+        shard = r.get("shard")
+        if "error" in r:
+            down.append(shard)
+            reasons.append(str(r["error"]))
+            continue
+        eng = r.get("engine")
+        if eng is not None and eng.get("ok") is not True:
+            engine_down.append(shard)
+            reasons.append(f"encoder {shard}: {eng.get('reason') or 'engine not reachable'}")
+    if down or engine_down:
+        return 503, {"status": "not ready", "reason": "; ".join(reasons), "encoders_down": down,
+                     "engine_down": engine_down}
+    return 200, {"status": "ready", "encoders": len(clients)}
