@@ -213,13 +213,15 @@ class Driver:
         import aiohttp
 
         t = aiohttp.ClientTimeout(total=10)
-        while time.monotonic() < self.deadline:
-            await asyncio.sleep(10)
-            try:
-                await self._post(session, "/api/v1/session_heartbeat", {"session_id": self.session_id,
-                                                                        "type": "session_heartbeat"}, {}, t)
-            except (asyncio.TimeoutError, OSError, Exception):  # noqa: BLE001 - heartbeats are best effort
-                self.count("heartbeat_error")
+        # Own connection (the SDK's heartbeat does not queue behind the sample long-polls either).
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as hb_session:
+            while time.monotonic() < self.deadline:
+                await asyncio.sleep(10)
+                try:
+                    await self._post(hb_session, "/api/v1/session_heartbeat",
+                                     {"session_id": self.session_id, "type": "session_heartbeat"}, {}, t)
+                except Exception:  # noqa: BLE001 - heartbeats are best effort
+                    self.count("heartbeat_error")
 
     # -- one sample -------------------------------------------------------------------------------
     def _asample_body(self, i: int, seq: int) -> dict[str, Any]:

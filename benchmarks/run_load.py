@@ -39,7 +39,6 @@ import multiprocessing as mp
 import os
 import platform
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -271,7 +270,7 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
         **{k: str(v) for k, v in dict(spec.get("extra_env") or {}).items()},
     }
     me = os.getpid()
-    print(f"\n== {label}: S={shards} F={front_ends}, {spec['requests']} x {spec['tokens']} tokens, "
+    print(f"\n== {label}: {spec['requests']} x {spec['tokens']} tokens, "
           f"{spec['concurrency']} in flight, {spec['connections']} connections, engine delay "
           f"{spec['engine_delay_s']} s ({spec['engine_delay_kind']})", file=sys.stderr, flush=True)
     # The server inherits the server cores; we (and the driver processes we spawn) keep the driver cores.
@@ -312,7 +311,6 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
         spids = server_pids(pgid)
         cpu0 = cpu_of(list(spids))
         sim0 = cpu_of(sim_pids(pgid))
-        drv0 = cpu_of([p.pid for p in procs if p.pid])
         mon = Monitor(pgid, server.url, float(spec["mem_interval_s"]), float(spec["time_limit_s"]) + 900)
         mon.start()
         t_go = time.monotonic()
@@ -526,7 +524,7 @@ def plots(out_dir: Path, stem: str, runs: list[dict[str, Any]]) -> list[str]:
     for r in runs:
         lat = r["latencies_s"]
         if lat:
-            ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=f"{r['label']} S={r['shards']} F={r['front_ends']}")
+            ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=r["label"])
     ax.set_xlabel("time to result (s)")
     ax.set_ylabel("fraction of results")
     ax.set_title(f"{stem}: time-to-result CDF")
@@ -605,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{driver_procs} driver process(es)", file=sys.stderr, flush=True)
     runs: list[dict[str, Any]] = []
     failed_harness = False
-    plan = [(s, resolve_front_ends(spec, s, args.front_ends), f"S={s}") for s in counts]
+    plan = [(s, f, f"S={s} F={f}") for s in counts for f in [resolve_front_ends(spec, s, args.front_ends)]]
     if spec.get("reference") and not args.no_reference:
         plan.append((1, 1, "reference S=1 F=1"))
     for s, f, label in plan:

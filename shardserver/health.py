@@ -114,7 +114,9 @@ async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict
     200 ``{"status": "ready", "encoders": S}`` when every encoder is connected, answers STATS
     within ``timeout`` seconds and reports its last engine probe successful (an encoder whose
     STATS has no ``engine`` entry does not probe and does not block readiness). Otherwise 503
-    ``{"status": "not ready", "reason": "...", "encoders_down": [...], "engine_down": [...]}``.
+    ``{"status": "not ready", "reason": "...", "encoders_down": [...], "engine_down": [...],
+    "engine_unknown": [...]}``: shards whose encoder did not answer, whose last probe failed, and
+    whose first probe has not finished yet.
     """
     from .metrics import gather_stats
 
@@ -122,6 +124,7 @@ async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict
     reasons: list[str] = []
     down: list[int] = []
     engine_down: list[int] = []
+    engine_unknown: list[int] = []
     for r in replies:
         shard = r.get("shard")
         if "error" in r:
@@ -130,9 +133,9 @@ async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict
             continue
         eng = r.get("engine")
         if eng is not None and eng.get("ok") is not True:
-            engine_down.append(shard)
+            (engine_down if eng.get("ok") is False else engine_unknown).append(shard)
             reasons.append(f"encoder {shard}: {eng.get('reason') or 'engine not reachable'}")
-    if down or engine_down:
+    if down or engine_down or engine_unknown:
         return 503, {"status": "not ready", "reason": "; ".join(reasons), "encoders_down": down,
-                     "engine_down": engine_down}
+                     "engine_down": engine_down, "engine_unknown": engine_unknown}
     return 200, {"status": "ready", "encoders": len(clients)}

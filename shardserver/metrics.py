@@ -2,13 +2,13 @@
 
 Uses ``prometheus_client`` in multiprocess mode: the supervisor creates
 ``<run_dir>/metrics`` and sets ``PROMETHEUS_MULTIPROC_DIR`` to it *before* it
-spawns any child (:func:`prepare_multiproc_dir`); every child process then
+spawns any child (:func:`shardserver.multiproc.prepare_multiproc_dir`); every child process then
 keeps its counters and histograms in small mmap files there, and the
 front-end answering a scrape merges all of them
 (``MultiProcessCollector``). The files of a dead child are kept, so totals
 never go backwards when a worker is restarted; the directory goes with the run
 directory at shutdown, and run directories of dead supervisors are removed at
-the next start. :func:`mark_dead` is called for every child that exits (it
+the next start. :func:`shardserver.multiproc.mark_dead` is called for every child that exits (it
 drops the files of live-mode gauges, of which there are none today).
 
 Gauges that describe a shard's *current* state (futures by stage, arena
@@ -30,19 +30,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from .multiproc import MULTIPROC_ENV, multiproc_dir
+
 __all__ = [
     "MULTIPROC_ENV",
     "CONTENT_TYPE",
-    "prepare_multiproc_dir",
-    "mark_dead",
-    "multiproc_dir",
     "ShardCounters",
     "FrontendCounters",
     "EncoderTimers",
@@ -59,7 +57,6 @@ __all__ = [
 
 log = logging.getLogger("shardserver.metrics")
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # This process's metrics (exported directly only when not in multiprocess mode, e.g. in unit tests).
@@ -130,47 +127,6 @@ AUTH_REJECTED = Counter("shardserver_auth_rejected", "Requests answered 401 (rea
 # -- supervisor -------------------------------------------------------------------------------------
 WORKER_RESTARTS = Counter("shardserver_worker_restarts", "Child processes restarted by the supervisor.",
                           ["role"], registry=REGISTRY)
-
-
-# -- multiprocess directory -------------------------------------------------------------------------
-def prepare_multiproc_dir(run_dir: str) -> str:
-    """Create ``<run_dir>/metrics`` (emptied if it exists) and point ``PROMETHEUS_MULTIPROC_DIR`` at it.
-
-    Must run in the supervisor before any child is spawned: ``prometheus_client`` chooses its
-    value storage when it is first imported, and children inherit the environment.
-
-    Returns:
-        the directory path.
-
-    Raises:
-        OSError: the directory cannot be created.
-    """
-    path = os.path.join(run_dir, "metrics")
-    os.makedirs(path, exist_ok=True)
-    for name in os.listdir(path):
-        if name.endswith(".db"):
-            os.unlink(os.path.join(path, name))
-    os.environ[MULTIPROC_ENV] = path
-    return path
-
-
-def multiproc_dir() -> str | None:
-    """The multiprocess directory of this process, or None when metrics are process-local."""
-    d = os.environ.get(MULTIPROC_ENV)
-    return d if d and os.path.isdir(d) else None
-
-
-def mark_dead(pid: int | None) -> None:
-    """Bookkeeping for a child that exited: drop its live-gauge files (counters are kept)."""
-    d = multiproc_dir()
-    if d is None or pid is None:
-        return
-    from prometheus_client import multiprocess
-
-    try:
-        multiprocess.mark_process_dead(pid, d)
-    except OSError as exc:  # pragma: no cover - a file vanished meanwhile
-        log.debug("mark_process_dead(%s): %s", pid, exc)
 
 
 def count_worker_restart(role: str) -> None:

@@ -1,7 +1,8 @@
 """Run a real gateway as a subprocess on loopback (used by the tests, the demo and the benchmarks).
 
 :class:`RunningServer` starts ``python -m shardserver.cli serve`` on a free
-port, waits for its ready line and for ``/readyz``, fails at once if the
+port, waits for its ready line and for ``/readyz`` (200, or 503 because only
+the engine is unreachable), fails at once if the
 process exits early, and on exit stops it with SIGTERM, then waits, then kills.
 """
 
@@ -145,10 +146,15 @@ class RunningServer:
         self.port = int(self.url.rsplit(":", 1)[1])
         while time.monotonic() < deadline:
             try:
-                status, _, _ = http_json(self.url + "/readyz", timeout=2)
+                status, _, body = http_json(self.url + "/readyz", timeout=2)
                 if status == 200:
                     return self
-            except OSError:
+                # Every encoder is up and has probed the engine, which is unreachable: started
+                # (tests of engine failures run gateways in front of a dead engine).
+                ready = json.loads(body) if status == 503 else {}
+                if ready.get("engine_down") and not ready.get("encoders_down") and not ready.get("engine_unknown"):
+                    return self
+            except (OSError, ValueError):
                 pass
             time.sleep(0.1)
         self.__exit__(None, None, None)

@@ -15,8 +15,9 @@ Performance: the body is parsed once with a reusable ``simdjson.Parser``.
 ``token_ids`` and ``token_logprobs`` are copied out of the parsed document with
 ``Array.as_buffer`` (one C loop each), so no Python object is created per
 generated token. Prompt logprobs (``{id: {logprob, rank, decoded_token}}`` per
-prompt position) are materialized with ``Array.as_list`` once (choice 0 only)
-and reduced with numpy.
+prompt position) are read straight from the raw bytes with numpy when they have
+vLLM's exact compact layout (:mod:`shardserver.codec.prompt_scan`, choice 0 only);
+otherwise they are materialized with ``Array.as_list`` once and reduced with numpy.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import simdjson
 
+from shardserver.codec.prompt_scan import scan_prompt_logprobs
 from shardserver.errors import EngineBodyError
 
 __all__ = [
@@ -285,7 +287,9 @@ class CompletionDecoder:
 
         out = DecodedCompletion(choices=decoded)
         if want_plp or k > 0:
-            _decode_prompt_logprobs(choice0.get("prompt_logprobs"), pids, where0, aborted, want_plp, k, out)
+            _decode_prompt_logprobs(
+                choice0.get("prompt_logprobs"), pids, where0, aborted, want_plp, k, out, body if c0pos == 0 else None
+            )
 
         usage = doc.get("usage")
         if usage is not None:
@@ -445,8 +449,21 @@ def _decode_choice(c, where: str, m: int) -> DecodedChoice:
 
 
 def _decode_prompt_logprobs(
-    pl, pids: np.ndarray | None, where0: str, aborted: bool, want_plp: bool, k: int, out: DecodedCompletion
+    pl,
+    pids: np.ndarray | None,
+    where0: str,
+    aborted: bool,
+    want_plp: bool,
+    k: int,
+    out: DecodedCompletion,
+    body: bytes | None = None,
 ) -> None:
+    """Fill ``out``'s prompt logprob arrays from choice 0's ``prompt_logprobs`` (``pl``).
+
+    ``body``: the raw body when choice 0 is ``choices[0]``; enables the byte-level fast
+    path (:mod:`shardserver.codec.prompt_scan`), which returns ``None`` for anything but
+    vLLM's exact compact layout, and then this generic path (the reference) runs.
+    """
     where = f"{where0}.prompt_logprobs"
     if pids is None:
         raise EngineBodyError(
@@ -476,6 +493,16 @@ def _decode_prompt_logprobs(
         raise EngineBodyError(where, f"{L} positions for a {P}-token prompt")
     if L == 0:
         return
+
+    if body is not None and L >= 2:
+        fast = scan_prompt_logprobs(body, pl, pids, L)
+        if fast is not None:
+            nn, own64, counts, ids64, lp64 = fast
+            _check_finite(own64, nn, where)
+            plp[nn] = own64
+            if k > 0:
+                _fill_topk(nn, counts, ids64, lp64, k, where, t_ids, t_lps)
+            return
 
     # ~8 Python objects per entry (k=5: ~25k dicts for a 4k prompt); the cyclic GC would run
     # dozens of collections over them, none of which can free anything, so pause it.
@@ -521,6 +548,20 @@ def _decode_prompt_logprobs(
     if ids64.size and int(ids64.max()) > _INT32_MAX:
         _diagnose_prompt_keys(rows, where)
     lp64 = np.fromiter(flat_lp, dtype=np.float64, count=len(flat_lp))
+    _fill_topk(nn, counts, ids64, lp64, k, where, t_ids, t_lps)
+
+
+def _fill_topk(
+    nn: np.ndarray,
+    counts: np.ndarray,
+    ids64: np.ndarray,
+    lp64: np.ndarray,
+    k: int,
+    where: str,
+    t_ids: np.ndarray,
+    t_lps: np.ndarray,
+) -> None:
+    """Top-k matrices from the flat entries (document order) of the non-null rows ``nn``."""
     row = np.repeat(nn, counts)
     _check_finite(lp64, row, where)
     starts = np.cumsum(counts) - counts

@@ -38,6 +38,7 @@ from ..control import Kind, serve_control
 from ..engine_client import EngineClient
 from ..errors import EngineBodyError, EngineError
 from ..ids import IdSigner
+from ..metrics import EncoderTimers, ShardCounters, future_stages
 from ..shm.arena import ArenaWriter, Slot
 
 __all__ = ["EncoderCore", "EncoderProc", "FutureEntry"]
@@ -92,8 +93,10 @@ class EncoderCore:
         self.reserved_bytes = 0
         self._heap: list[tuple[float, int, str]] = []
         self._heap_seq = 0
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[str] = ShardCounters(shard)  # also feeds Prometheus
         self.decode_encode_s = 0.0
+        self.timers = EncoderTimers()
+        self.engine_probe = None  # a shardserver.health.EngineProbe, set by EncoderProc
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float) -> None:
@@ -190,12 +193,15 @@ class EncoderCore:
         aborts = 0
         try:
             while True:
+                t_engine = time.perf_counter()
                 try:
                     data = await self.engine.post(body, headers)
                 except EngineError as exc:
+                    self.timers.engine(time.perf_counter() - t_engine, False)
                     self._fail(e, str(exc), exc.category)
                     return
                 t0 = time.perf_counter()
+                self.timers.engine(t0 - t_engine, True)
                 try:
                     dc = self.decoder.decode(data, num_samples=n, prompt_token_ids=prompt,
                                              prompt_logprobs=want_plp, topk_prompt_logprobs=topk)
@@ -213,7 +219,9 @@ class EncoderCore:
                     continue
                 body = b""  # nothing more to send: keep no request body
                 self._store(e, dc)
-                self.decode_encode_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.decode_encode_s += dt
+                self.timers.decode_encode(dt)
                 return
         except asyncio.CancelledError:
             raise
@@ -348,6 +356,8 @@ class EncoderCore:
             "arena_reserved_bytes": self.reserved_bytes,
             "decode_encode_s": self.decode_encode_s,
             "counters": dict(self.counters),
+            "stages": future_stages(self.table.values()),
+            "engine": self.engine_probe.state() if self.engine_probe is not None else None,
         }
 
     async def handle(self, kind: int, meta: dict[str, Any], blob: bytes) -> dict[str, Any] | None:
@@ -397,6 +407,11 @@ class EncoderProc:
         engine = EngineClient(cfg.engine, engine_url)
         await engine.start()
         core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id))
+        from ..health import EngineProbe
+
+        core.engine_probe = probe = EngineProbe(engine_url, cfg.engine.health_interval_s,
+                                                cfg.engine.connect_timeout_s, shard)
+        probe.start()  # the first probe runs at once; /readyz waits for it
         try:
             os.unlink(sock_path)
         except FileNotFoundError:
@@ -424,6 +439,7 @@ class EncoderProc:
             for e in list(core.table.values()):
                 if e.task is not None:
                     e.task.cancel()
+            await probe.close()
             await engine.close()
             try:
                 arena.close()

@@ -35,6 +35,11 @@ from ..control import ControlClient, Kind
 from ..errors import EncoderDeadError, SlotInvalidError
 from ..ids import FutureIdStatus, IdSigner, SamplingSession, shard_of
 from ..shm.arena import ArenaReader
+from ..access_log import make_access_log
+from ..auth import AuthMiddleware, KeyTable, owner_of
+from ..health import readiness
+from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..metrics import FrontendCounters, HttpMetricsMiddleware, count_auth_rejected, metrics_body
 
 __all__ = ["FrontendContext", "create_app", "FrontendProc", "PROTO_MEDIA_TYPE", "TRAINING_ENDPOINTS"]
 
@@ -58,8 +63,9 @@ class FrontendContext:
     socket_paths: list[str]
     clients: list[ControlClient] = field(default_factory=list)
     readers: dict[str, ArenaReader] = field(default_factory=dict)
-    counters: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=FrontendCounters)  # bytes_delivered also feeds Prometheus
     ready_conn: Any = None
+    auth: KeyTable = field(default_factory=KeyTable.open)  # the accepted API keys (digests only)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -139,10 +145,16 @@ def create_app(ctx: FrontendContext) -> FastAPI:
             ctx.ready_conn.send(("ready", ctx.index, os.getpid()))
             ctx.ready_conn.close()
             ctx.ready_conn = None
+        log.info("front-end %d ready (pid %d)", ctx.index, os.getpid())
         yield
         await ctx.stop()
+        log.info("front-end %d stopped", ctx.index)
 
     app = FastAPI(title="shardserver", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The last added runs first: count and time every response (401s included), then check the key.
+    app.add_middleware(AuthMiddleware, table=ctx.auth, on_reject=count_auth_rejected,
+                       headers=[(b"x-shardserver-front-end", str(ctx.index).encode())])
+    app.add_middleware(HttpMetricsMiddleware, access_log=make_access_log(cfg.server.access_log, ctx.index))
 
     async def read_json(request: Request) -> Any:
         cl = request.headers.get("content-length")
@@ -177,10 +189,12 @@ def create_app(ctx: FrontendContext) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        down = [c.shard for c in ctx.clients if not c.connected]
-        if down:
-            return JSONResponse({"status": "not ready", "encoders_down": down}, status_code=503, headers=fe_header)
-        return JSONResponse({"status": "ready", "encoders": len(ctx.clients)}, headers=fe_header)
+        status, body = await readiness(ctx.clients)  # encoders connected and the engine reachable
+        return JSONResponse(body, status_code=status, headers=fe_header)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await metrics_body(ctx.clients), media_type=METRICS_CONTENT_TYPE, headers=fe_header)
 
     @app.get("/stats")
     async def stats() -> JSONResponse:
@@ -207,13 +221,13 @@ def create_app(ctx: FrontendContext) -> FastAPI:
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> JSONResponse:
         CreateSessionRequest.model_validate(await read_json(request))
-        return JSONResponse({"session_id": ctx.signer.mint_session_id(), "type": "create_session"},
+        return JSONResponse({"session_id": ctx.signer.mint_session_id(owner_of(request)), "type": "create_session"},
                             headers=fe_header)
 
     @app.post("/api/v1/session_heartbeat")
     async def session_heartbeat(request: Request) -> JSONResponse:
         body = await read_json(request)
-        if not isinstance(body, dict) or not ctx.signer.check_session_id(body.get("session_id")):
+        if not isinstance(body, dict) or not ctx.signer.check_session_id(body.get("session_id"), owner_of(request)):
             return _error(404, "unknown session_id")
         return JSONResponse({"type": "session_heartbeat"}, headers=fe_header)
 
@@ -230,17 +244,18 @@ def create_app(ctx: FrontendContext) -> FastAPI:
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> JSONResponse:
         req = CreateSamplingSessionRequest.model_validate(await read_json(request))
-        if not ctx.signer.check_session_id(req.session_id):
+        if not ctx.signer.check_session_id(req.session_id, owner_of(request)):
             return _error(404, f"unknown session_id {req.session_id[:64]!r} (create_session first)")
         if not req.base_model and not req.model_path:
             return _error(400, "create_sampling_session needs base_model or model_path")
         sid = ctx.signer.mint_sampling_session_id(
-            SamplingSession(req.session_id, req.base_model, req.model_path, req.sampling_session_seq_id))
+            SamplingSession(req.session_id, req.base_model, req.model_path, req.sampling_session_seq_id),
+            owner_of(request))
         return JSONResponse({"sampling_session_id": sid, "type": "create_sampling_session"}, headers=fe_header)
 
     @app.get("/api/v1/samplers/{sampler_id}")
-    async def get_sampler(sampler_id: str) -> JSONResponse:
-        sess = ctx.signer.open_sampling_session_id(sampler_id)
+    async def get_sampler(sampler_id: str, request: Request) -> JSONResponse:
+        sess = ctx.signer.open_sampling_session_id(sampler_id, owner_of(request))
         if sess is None:
             return _error(404, "unknown sampler id")
         return JSONResponse({"sampler_id": sampler_id, "base_model": sess.base_model or sess.model_path or "",
@@ -264,7 +279,7 @@ def create_app(ctx: FrontendContext) -> FastAPI:
             tokens.extend(EncodedTextChunk.model_validate(chunk).tokens)
         if not tokens:
             return _error(400, "prompt has no tokens")
-        sess = ctx.signer.open_sampling_session_id(req.sampling_session_id)
+        sess = ctx.signer.open_sampling_session_id(req.sampling_session_id, owner_of(request))
         if sess is None:
             return _error(404, "unknown sampling_session_id (create_sampling_session first; "
                                "sessions of an earlier server run are not kept unless server.id_secret is set)")
@@ -304,7 +319,7 @@ def create_app(ctx: FrontendContext) -> FastAPI:
         seq = req.seq_id if req.seq_id is not None else int.from_bytes(os.urandom(6), "little") + 10**15
         key = f"{req.sampling_session_id}#{seq}"
         shard = shard_of(key, shards)
-        meta = {"sid": req.sampling_session_id, "seq": seq, "owner": "", "n": n, "prompt_logprobs": want_plp,
+        meta = {"sid": req.sampling_session_id, "seq": seq, "owner": owner_of(request), "n": n, "prompt_logprobs": want_plp,
                 "topk": topk, "reserve_bytes": reserve}
         if want_plp:
             meta["prompt"] = tokens
@@ -331,7 +346,7 @@ def create_app(ctx: FrontendContext) -> FastAPI:
     async def retrieve_future(request: Request) -> Response:
         req = RetrieveFutureRequest.model_validate(await read_json(request))
         fid = req.request_id
-        status = ctx.signer.check_future_id(fid)
+        status = ctx.signer.check_future_id(fid, owner_of(request))
         if status == FutureIdStatus.INVALID:
             ctx.count("retrieve_404")
             return _error(404, f"unknown future {fid[:80]!r}: this server never issued it")
@@ -404,17 +419,17 @@ class FrontendProc:
 
     @staticmethod
     def run(cfg: Config, index: int, sock, socket_paths: list[str], secret: bytes, run_id: str,
-            parent_pid: int, ready_conn=None) -> None:
+            parent_pid: int, ready_conn=None, auth: KeyTable | None = None) -> None:
         from ._subprocess import child_setup
 
         child_setup(f"front-end {index}", cfg)
         import uvicorn
 
         ctx = FrontendContext(cfg=cfg, index=index, signer=IdSigner(secret, run_id), socket_paths=socket_paths,
-                              ready_conn=ready_conn)
+                              ready_conn=ready_conn, auth=auth or KeyTable.open())
         app = create_app(ctx)
         ucfg = uvicorn.Config(
-            app, loop="uvloop", http="httptools", lifespan="on", access_log=cfg.server.access_log,
+            app, loop="uvloop", http="httptools", lifespan="on", access_log=False,  # see shardserver.access_log
             log_config=None, log_level=cfg.server.log_level, timeout_keep_alive=int(cfg.server.keep_alive_s),
             timeout_graceful_shutdown=int(cfg.server.graceful_shutdown_s) or None, backlog=cfg.server.backlog,
             server_header=False)

@@ -2,7 +2,10 @@
 
 ``Supervisor(cfg).run()`` is ``shardserver serve``:
 
-1. remove segments and run directories left by dead runs;
+0. read the API keys (``auth``), failing with a ConfigError if ``mode = "keys"`` finds none;
+1. remove segments and run directories left by dead runs; create this run's
+   directory and its ``metrics/`` folder (``PROMETHEUS_MULTIPROC_DIR`` of
+   every child, see :mod:`shardserver.metrics`);
 2. bind the one listening socket (``server.backlog``);
 3. start the engine simulator when ``engine.url`` is empty;
 4. create one arena per shard and start S encoders; wait for each READY
@@ -34,7 +37,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..auth import load_key_table
 from ..config import Config
+from ..multiproc import mark_dead, prepare_multiproc_dir
 from ..shm.arena import create_segment, remove_stale_segments, segment_name, unlink_segment
 
 __all__ = ["Supervisor", "ChildSpec", "StartupError"]
@@ -118,6 +123,9 @@ class Supervisor:
         self.pid = os.getpid()
         self.run_id = os.urandom(4).hex()
         self.secret = cfg.server.id_secret.encode() if cfg.server.id_secret else os.urandom(32)
+        # API keys, read once here (ConfigError naming auth.keys_file if mode="keys" finds none);
+        # front-ends receive only salted digests.
+        self.keys = load_key_table(cfg.auth)
         self.run_dir = ""
         self.sock: socket.socket | None = None
         self.sim_sock: socket.socket | None = None
@@ -164,7 +172,7 @@ class Supervisor:
         spec.proc = _CTX.Process(
             target=FrontendProc.run, name=f"shardserver-front-end-{spec.index}", daemon=False,
             args=(self.cfg, spec.index, self.sock, [self._sock_path(s) for s in range(self.cfg.shards.count)],
-                  self.secret, self.run_id, self.pid, child_conn))
+                  self.secret, self.run_id, self.pid, child_conn), kwargs={"auth": self.keys})
         spec.proc.start()
         child_conn.close()
         return parent_conn
@@ -213,6 +221,7 @@ class Supervisor:
                 log.info("removed %d shared-memory segments of dead runs", len(removed))
             _remove_stale_run_dirs()
             self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{self.pid}-")
+            prepare_multiproc_dir(self.run_dir)  # before any child is spawned: they inherit it
             self.sock = _bind(cfg.server.host, cfg.server.port, cfg.server.backlog)
             host, port = self.sock.getsockname()[:2]
             self.address = (host, port)
@@ -255,6 +264,10 @@ class Supervisor:
     def _restart(self, child: ChildSpec) -> None:
         code = child.proc.exitcode
         child.restarts += 1
+        mark_dead(child.proc.pid)
+        from ..metrics import count_worker_restart
+
+        count_worker_restart(child.role)
         log.warning("%s (pid %s) exited with code %s: restarting (restart #%d)",
                     child.name, child.proc.pid, code, child.restarts)
         if child.role == "encoder":

@@ -1,0 +1,362 @@
+"""Byte-level fast path for choice 0's ``prompt_logprobs`` (no Python object per entry).
+
+The generic decoder (``decode._decode_prompt_logprobs``) materializes every
+``{"<id>": {"logprob": f, "rank": r, "decoded_token": s}}`` entry with simdjson's
+``as_list()``; at k=5 on a 4k prompt that is ~25k dicts and dominates the decode. This
+module reads the same values straight from the raw body bytes with numpy, *after*
+simdjson has parsed, and therefore validated, the whole body. It returns ``None``
+(the caller then runs the generic path, which stays the reference and raises every
+error) unless the array has exactly the layout vLLM emits (spec §2.1, §2.5)::
+
+    [null,{"<id>":{"logprob":<float>,"rank":<int>,"decoded_token":"<str>"},...},...]
+
+i.e. compact (no whitespace), keys in ``Logprob`` declaration order, only position 0
+``null``, ids as canonical decimal strings, floats with a ``.`` or an exponent, every
+``decoded_token`` a string, no duplicate id within a position.
+
+Why reading bytes is safe
+-------------------------
+The body is valid JSON (simdjson accepted it), and in valid JSON:
+
+* A backslash only occurs inside a string, and a ``"`` inside a string's content is
+  always escaped. So a ``"`` byte preceded by an odd run of backslashes is escaped
+  content, and every other ``"`` byte is *structural*: it opens or closes a string.
+  ``structural_quotes`` computes exactly that set over the array's bytes.
+* A byte pattern that contains a ``"`` at a position other than the first, preceded
+  by a byte other than ``\\`` (``"prompt_logprobs":[``, ``],"prompt_token_ids":``,
+  ``":{"logprob":``, ``,"rank":``, ``,"decoded_token":``), can only match where that
+  quote is structural; the bytes around a structural quote then fix whether it opens
+  or closes (an opening quote cannot be followed by ``:``/``,``, a closing quote
+  cannot be followed by a letter or digit). So these patterns never match inside a
+  ``decoded_token`` string, whatever text it holds (``":{"logprob":``, ``},{"``,
+  ``[null,`` ...). Quote-free patterns such as ``,null`` *can* occur inside strings and
+  are never searched for.
+* Between two consecutive structural quotes where the first one opens a string lies
+  exactly that string's content.
+
+Validation then accounts for *every byte* of the array: per entry the structural
+quotes come in tens (key, ``logprob``, ``rank``, ``decoded_token``, value); each fixed
+piece (``":{"logprob":``, ``,"rank":``, ``,"decoded_token":``, ``}``, ``},{``, the final
+``}}]``) is compared byte for byte at the position the quotes imply; the id is 1-10
+digits without a leading zero, the rank 1-10 digits, the float text only number
+characters (and it must parse as exactly one number per entry); the only bytes not
+checked are string contents, and those hold no structural quote by construction. If
+all of that holds, the bytes *are* that array, so the extracted (position, id,
+logprob) triples are what ``as_list()`` would have produced, in the same order, and
+floats are parsed by the same simdjson number parser. As a last guard the result is
+cross-checked against the parsed document (array length, and every entry of the
+first, middle and last position).
+
+Locating the array: the first ``"prompt_logprobs":[`` in the body (preceded by ``,`` or
+``{``, so it is a real key), which is choice 0's when choice 0 is the first choice and
+the body has the 0.30/0.11 layout (top-level ``choices`` before any other nested
+field, ``prompt_logprobs`` right before ``prompt_token_ids``); the caller only uses this
+path when choice 0 is ``choices[0]``, and the cross-check above catches a foreign match.
+The end is the first ``],"prompt_token_ids":`` after it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import simdjson
+
+__all__ = ["scan_prompt_logprobs", "stats"]
+
+#: Counters for tests and diagnostics: how often the fast path was taken or fell back,
+#: and the reason of the last fallback.
+stats: dict[str, object] = {"fast": 0, "fallback": 0, "last_reason": None}
+
+_INT32_MAX = 2**31 - 1
+
+_START = b'"prompt_logprobs":['
+_END = b'],"prompt_token_ids":'
+_HEAD = np.frombuffer(b'[null,{"', dtype=np.uint8)
+
+
+def _word(p: bytes) -> np.uint64:
+    return np.frombuffer(p, dtype="<u8")[0]
+
+
+# ``":{"logprob":`` (13 bytes) checked as two overlapping 8-byte words at +0 and +5.
+_KEY_TAIL = b'":{"logprob":'
+_KT0, _KT5 = _word(_KEY_TAIL[0:8]), _word(_KEY_TAIL[5:13])
+# ``,"rank":`` (8 bytes): one word.
+_RANK = _word(b',"rank":')
+# ``,"decoded_token":`` (17 bytes): words at +0, +8, +9.
+_DT = b',"decoded_token":'
+_DT0, _DT8, _DT9 = _word(_DT[0:8]), _word(_DT[8:16]), _word(_DT[9:17])
+
+_SEP3 = np.uint64(int.from_bytes(b"},", "little"))
+_SEP5 = np.uint64(int.from_bytes(b"}},{", "little"))
+_TAIL = np.frombuffer(b"}}]", dtype=np.uint8)
+#: _KEEP[v]: mask of the low v bytes of a little-endian word.
+_KEEP = np.array([(1 << (8 * v)) - 1 for v in range(9)], dtype=np.uint64)
+_SPACES = np.uint64(0x2020202020202020)
+_EIGHTS = np.arange(0, 32, 8, dtype=np.intp)
+_MASK2, _MASK4 = np.uint64(0xFFFF), np.uint64(0xFFFFFFFF)
+
+_QUOTE, _BSLASH = 34, 92
+
+_local = threading.local()
+
+
+def _parser() -> simdjson.Parser:
+    p = getattr(_local, "parser", None)
+    if p is None:
+        p = _local.parser = simdjson.Parser()
+    return p
+
+
+class _Fallback(Exception):
+    pass
+
+
+def _fail(reason: str) -> None:
+    raise _Fallback(reason)
+
+
+def scan_prompt_logprobs(body: bytes, pl, pids: np.ndarray, L: int):
+    """Extract choice 0's prompt logprobs from ``body``'s bytes, or ``None`` to fall back.
+
+    Args:
+        body: the whole response body, already parsed successfully by simdjson.
+        pl: the parsed ``prompt_logprobs`` array of the choice with index 0 (``simdjson.Array``),
+            which must be ``choices[0]``.
+        pids: the prompt token ids (integer array, ``len >= L``).
+        L: ``len(pl)``, at least 2.
+
+    Returns:
+        ``(nn, own64, counts, ids64, lp64)`` exactly as the generic path builds them:
+        ``nn`` = non-null positions (here ``1..L-1``), ``own64`` = the prompt token's own
+        logprob per such position (float64), ``counts`` = entries per position, and the
+        flat ids (int64) and logprobs (float64) of all entries in document order.
+        ``None`` if the bytes are not in the exact layout (see the module docstring).
+    """
+    try:
+        res = _scan(body, pl, pids, L)
+    except _Fallback as e:
+        stats["fallback"] += 1
+        stats["last_reason"] = str(e)
+        return None
+    except (IndexError, ValueError, TypeError, KeyError, RuntimeError, OverflowError) as e:
+        stats["fallback"] += 1
+        stats["last_reason"] = f"{type(e).__name__}: {e}"
+        return None
+    stats["fast"] += 1
+    return res
+
+
+def structural_quotes(R: np.ndarray) -> np.ndarray:
+    """Indices of the unescaped ``"`` bytes in ``R`` (a valid JSON text or a slice starting outside strings).
+
+    A quote is escaped iff it is preceded by an odd number of consecutive backslashes.
+    """
+    q = np.flatnonzero(R == _QUOTE)
+    cand = np.flatnonzero(R[q - 1] == _BSLASH)  # q >= 1 here: R[0] is '['
+    if cand.size:
+        pos = q[cand]
+        run = np.ones(cand.size, dtype=np.intp)
+        active = np.ones(cand.size, dtype=bool)
+        j = 2
+        while True:
+            idx = pos - j
+            ok = idx >= 0
+            active &= ok
+            active[ok] &= R[idx[ok]] == _BSLASH
+            if not active.any():
+                break
+            run += active
+            j += 1
+        q = np.delete(q, cand[(run & 1) == 1])
+    return q
+
+
+def _scan(body: bytes, pl, pids: np.ndarray, L: int):
+    if not np.issubdtype(pids.dtype, np.integer):
+        _fail("prompt ids are not an integer array")
+    j = body.find(_START)
+    if j <= 0 or body[j - 1] not in b",{":
+        _fail("no prompt_logprobs key")
+    s = j + len(_START) - 1  # the '['
+    e = body.find(_END, s)
+    if e < 0:
+        _fail("prompt_logprobs not followed by prompt_token_ids")
+    N = e + 1 - s
+    if N < 64:
+        _fail("array too short")
+    R = np.frombuffer(body, dtype=np.uint8, count=N, offset=s)
+    if not np.array_equal(R[:8], _HEAD):
+        _fail('array does not start with [null,{"')
+    # 8-byte little-endian words at every offset of the array (unaligned view, no copy).
+    W = np.ndarray((N - 7,), dtype="<u8", buffer=body, offset=s, strides=(1,))
+
+    sq = structural_quotes(R)
+    if sq.size % 10:
+        _fail("structural quote count is not 10 per entry")
+    E = sq.size // 10
+    Q = sq.reshape(E, 10)
+    c0, c1, c4, c6, c9 = Q[:, 0], Q[:, 1], Q[:, 4], Q[:, 6], Q[:, 9]
+
+    # Quote offsets within an entry: key c0..c1, "logprob" at c1+3..c1+11, "rank" at
+    # c4..c4+5, "decoded_token" at c6..c6+14, the value string opens at c6+16 and closes at c9.
+    if c0[0] != 7:
+        _fail("first entry misplaced")
+    if not (
+        (Q[:, 2] - c1 == 3).all()
+        and (Q[:, 3] - c1 == 11).all()
+        and (Q[:, 5] - c4 == 5).all()
+        and (Q[:, 7] - c6 == 14).all()
+        and (Q[:, 8] - c6 == 16).all()
+    ):
+        _fail("quotes not where the layout puts them")
+    if int(c9[-1]) + 3 != N - 1:
+        _fail("array does not end right after the last entry")
+    # The fixed pieces, byte for byte.
+    if not (
+        (W[c1] == _KT0).all()
+        and (W[c1 + 5] == _KT5).all()
+        and (W[c4 - 1] == _RANK).all()
+        and (W[c6 - 1] == _DT0).all()
+        and (W[c6 + 7] == _DT8).all()
+        and (W[c6 + 8] == _DT9).all()
+    ):
+        _fail("unexpected keys or key order")
+    # After each value string: '}' closes the entry, then ',' + the next entry of the same
+    # position (gap 3), or '},{' + the first entry of the next position (gap 5); the last
+    # entry is followed by '}}]', the end of the array.
+    gap = c0[1:] - c9[:-1]
+    g3 = gap == 3
+    if not (g3 | (gap == 5)).all():
+        _fail("unexpected bytes between entries (null row, whitespace, extra keys?)")
+    # Little-endian 32-bit words at c9+1: '},' + 2 bytes of the next key (masked off) for
+    # gap 3, '}},{' for gap 5.
+    w4 = W[c9[:-1] + 1]
+    if not ((w4 & np.where(g3, _MASK2, _MASK4)) == np.where(g3, _SEP3, _SEP5)).all():
+        _fail("bad separator between entries")
+    if not np.array_equal(R[N - 3 :], _TAIL):
+        _fail("array does not end with }}]")
+
+    # Position of every entry: the first entry and every entry after a '},{' open a new one.
+    newpos = np.empty(E, dtype=bool)
+    newpos[0] = True
+    np.logical_not(g3, out=newpos[1:])
+    starts = np.flatnonzero(newpos)
+    if starts.size != L - 1:
+        _fail(f"{starts.size} non-null positions for an array of {L} (null or empty rows?)")
+    pos = np.cumsum(newpos)  # 1..L-1
+    counts = np.diff(starts, append=E)
+
+    ids64 = _ids(W, c0 + 1, c1 - c0 - 1)
+    lp64 = _floats(W, c1 + 13, c4 - (c1 + 13), E)
+
+    # Own token per position, looked up by id (never by place in the row): exactly one per position.
+    own = ids64 == pids[pos].astype(np.int64)
+    hits = np.bincount(pos[own], minlength=L)
+    if hits[0] != 0 or not (hits[1:] == 1).all():
+        _fail("prompt token missing from a position")
+    _check_unique_ids(ids64, pos, starts, counts, E)
+    own64 = lp64[own]
+
+    _cross_check(pl, pids, L, starts, counts, ids64, lp64)
+    nn = np.arange(1, L, dtype=np.intp)
+    return nn, own64, counts.astype(np.intp), ids64, lp64
+
+
+def _ids(W: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Id keys (1-8 ASCII digits at ``start``, no leading zero) -> int64, SWAR-style on 8-byte words."""
+    if int(length.min()) < 1 or int(length.max()) > 8:
+        _fail("id is not 1-8 digits")
+    # Right-align the digits in the word (little-endian: the first digit is the low byte, so a
+    # left shift by the unused byte count moves it up and fills the low bytes with zeros).
+    w = W[start] << (8 * (8 - length)).astype(np.uint64)
+    b = w.view(np.uint8).reshape(-1, 8)
+    if not (((b - np.uint8(48)) <= 9) | (b == 0)).all():  # no NUL byte can be in a JSON string
+        _fail("id is not decimal digits")
+    first = b[np.arange(b.shape[0]), 8 - length]
+    if ((first == 48) & (length > 1)).any():
+        _fail("id has a leading zero")  # "07" is not str(7): the generic lookup would miss it
+    # simdjson's parse_eight_digits_unrolled; the zero bytes act as leading '0' digits.
+    v = w & np.uint64(0x0F0F0F0F0F0F0F0F)
+    v = (v * np.uint64(2561)) >> np.uint64(8)
+    v = ((v & np.uint64(0x00FF00FF00FF00FF)) * np.uint64(6553601)) >> np.uint64(16)
+    v = ((v & np.uint64(0x0000FFFF0000FFFF)) * np.uint64(42949672960001)) >> np.uint64(32)
+    return v.astype(np.int64)
+
+
+def _floats(W: np.ndarray, start: np.ndarray, length: np.ndarray, E: int) -> np.ndarray:
+    """Logprob texts (``length`` includes the ',' of ',"rank":') -> float64, parsed by simdjson.
+
+    The texts are copied into a ``[t1,  t2,   ...]`` buffer of fixed 32-byte rows (four
+    8-byte words each; the rest of a row blanked with spaces, which JSON ignores).
+    """
+    if int(length.min()) < 2 or int(length.max()) > 32:
+        _fail("logprob text empty or too long")
+    words = np.empty((E, 4), dtype=np.uint64)
+    for i in range(4):
+        words[:, i] = W[start + 8 * i]
+    keep = _KEEP[np.clip(length[:, None] - _EIGHTS, 0, 8)]
+    words &= keep
+    words |= _SPACES & ~keep
+    rows = words.view(np.uint8).reshape(E, 32)
+    rows[E - 1, int(length[-1]) - 1] = 32  # the last text's trailing comma
+    buf = b"[" + rows.tobytes() + b"]"
+    if buf.find(b"[", 1) >= 0:  # a nested array would be flattened by as_buffer
+        _fail("logprob is not a number")
+    return _parse_floats(buf, E)
+
+
+def _parse_floats(buf: bytes, E: int) -> np.ndarray:
+    p = _parser()
+    try:
+        doc = p.parse(buf)
+    except RuntimeError:  # a proxy of an earlier parse is still alive: use a fresh parser
+        p = _local.parser = simdjson.Parser()
+        doc = p.parse(buf)
+    try:
+        lp = np.frombuffer(doc.as_buffer(of_type="d"), dtype=np.float64)
+    finally:
+        del doc
+    if lp.size != E:
+        _fail("not exactly one number per logprob")
+    return lp
+
+
+def _check_unique_ids(ids64: np.ndarray, pos: np.ndarray, starts: np.ndarray, counts: np.ndarray, E: int) -> None:
+    """Fall back if an id repeats within a position (a dict would keep only one of them)."""
+    w = int(counts.max())
+    if w == 1:
+        return
+    npos = counts.size
+    if w * w * npos <= 4_000_000:
+        col = np.arange(E) - np.repeat(starts, counts)
+        m = np.full((npos, w), -1, dtype=np.int64)
+        m[pos - 1, col] = ids64
+        eq = m[:, :, None] == m[:, None, :]
+        eq &= (m >= 0)[:, :, None]
+        eq[:, np.arange(w), np.arange(w)] = False
+        if eq.any():
+            _fail("duplicate id within a position")
+    else:
+        key = np.sort(pos.astype(np.int64) * (1 << 32) + ids64)
+        if (key[1:] == key[:-1]).any():
+            _fail("duplicate id within a position")
+
+
+def _cross_check(pl, pids, L, starts, counts, ids64, lp64) -> None:
+    """Compare a few rows with the parsed document (guards against a foreign match)."""
+    for i in sorted({1, L // 2, L - 1}):
+        if i < 1:
+            continue
+        row = pl[i]
+        n = int(counts[i - 1])
+        if not isinstance(row, simdjson.Object) or len(row) != n:
+            _fail("cross-check: row size differs")
+        b = int(starts[i - 1])
+        for t in range(n):
+            ent = row.get(str(int(ids64[b + t])))
+            if not isinstance(ent, simdjson.Object) or ent.get("logprob") != float(lp64[b + t]):
+                _fail("cross-check: entry differs")
+        if row.get(str(int(pids[i]))) is None:
+            _fail("cross-check: own entry missing")

@@ -1,0 +1,61 @@
+"""The run's Prometheus multiprocess directory (no ``prometheus_client`` import at module level).
+
+``prometheus_client`` decides how it stores values when it is first imported:
+in mmap files under ``$PROMETHEUS_MULTIPROC_DIR`` if that variable is set, in
+process memory otherwise. So the supervisor calls
+:func:`prepare_multiproc_dir` before it imports :mod:`shardserver.metrics` and
+before it spawns any child; the children inherit the variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["MULTIPROC_ENV", "prepare_multiproc_dir", "multiproc_dir", "mark_dead"]
+
+log = logging.getLogger("shardserver.metrics")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def prepare_multiproc_dir(run_dir: str) -> str:
+    """Create ``<run_dir>/metrics`` (removing ``*.db`` files already there) and set
+    ``PROMETHEUS_MULTIPROC_DIR`` to it in this process's environment.
+
+    Returns:
+        the directory path.
+
+    Raises:
+        OSError: the directory cannot be created.
+    """
+    path = os.path.join(run_dir, "metrics")
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name.endswith(".db"):
+            os.unlink(os.path.join(path, name))
+    os.environ[MULTIPROC_ENV] = path
+    return path
+
+
+def multiproc_dir() -> str | None:
+    """The multiprocess directory of this process, or None when metrics are process-local."""
+    d = os.environ.get(MULTIPROC_ENV)
+    return d if d and os.path.isdir(d) else None
+
+
+def mark_dead(pid: int | None) -> None:
+    """Bookkeeping for a child that exited: drop its live-mode gauge files.
+
+    Counter and histogram files of dead processes are kept on purpose, so that totals stay
+    monotonic across worker restarts. Errors are logged at debug level, never raised.
+    """
+    d = multiproc_dir()
+    if d is None or pid is None:
+        return
+    try:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, d)
+    except OSError as exc:  # pragma: no cover - a file vanished meanwhile
+        log.debug("mark_process_dead(%s): %s", pid, exc)
