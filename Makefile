@@ -31,7 +31,9 @@ test: $(VENV)/.installed $(SDK024)/.installed $(SDK015)/.installed
 	SHARDSERVER_OLD_SDKS_REQUIRED=1 $(VENV)/bin/python -m pytest
 
 bench: $(VENV)/.installed
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[test,bench]'
 	$(VENV)/bin/python benchmarks/bench_codec.py
+	$(VENV)/bin/python benchmarks/run_load.py --scenario burst-32k --quick
 
 clean:
 	rm -rf $(VENV) $(SDK024) $(SDK015) .pytest_cache .hypothesis build *.egg-info
