@@ -43,7 +43,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         pass
 
     def ready(host: str, port: int) -> None:
-        print(f"shardserver ready on http://{host}:{port}", flush=True)
+        # One write: children share this pipe, and print() writes the newline separately when
+        # stdout is unbuffered (PYTHONUNBUFFERED), which lets a child's log line land in between.
+        sys.stdout.write(f"shardserver ready on http://{host}:{port}\n")
+        sys.stdout.flush()
 
     return Supervisor(cfg, on_ready=ready).run()
 

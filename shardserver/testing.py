@@ -151,8 +151,8 @@ class RunningServer:
                     return self
                 # Every encoder is up and has probed the engine, which is unreachable: started
                 # (tests of engine failures run gateways in front of a dead engine).
-                ready = json.loads(body) if status == 503 else {}
-                if ready.get("engine_down") and not ready.get("encoders_down") and not ready.get("engine_unknown"):
+                why = json.loads(body) if status == 503 else {}
+                if why.get("engine_down") and not why.get("encoders_down") and not why.get("engine_unknown"):
                     return self
             except (OSError, ValueError):
                 pass

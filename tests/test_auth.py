@@ -14,7 +14,6 @@ from conftest import BASE_MODEL, Api
 from shardserver.auth import (
     INVALID_KEY_MESSAGE,
     MISSING_KEY_MESSAGE,
-    KeyTable,
     load_key_table,
     owner_fingerprint,
 )

@@ -203,7 +203,8 @@ def test_metrics_aggregate_every_process(gw):
     bad = [_sample(api, ssid, 9001, 50), _sample(api, ssid, 9002, 51)]
     delivered_bytes = 0
     for rid in rids:
-        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
+        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid},
+                            headers={"Accept": "application/x-protobuf"})
         assert st == 200
         delivered_bytes += len(b)
     for rid, cat in zip(bad, ("server", "user")):

@@ -11,8 +11,10 @@ error) unless the array has exactly the layout vLLM emits (spec §2.1, §2.5)::
     [null,{"<id>":{"logprob":<float>,"rank":<int>,"decoded_token":"<str>"},...},...]
 
 i.e. compact (no whitespace), keys in ``Logprob`` declaration order, only position 0
-``null``, ids as canonical decimal strings, floats with a ``.`` or an exponent, every
-``decoded_token`` a string, no duplicate id within a position.
+``null``, as many positions as prompt tokens (an aborted, shorter list falls back), ids
+as canonical decimal strings of 1-8 digits, ranks 1-8 digits, logprobs JSON numbers,
+every ``decoded_token`` a string, no duplicate id within a position, and the prompt
+token's own id present exactly once per position.
 
 Why reading bytes is safe
 -------------------------
@@ -37,22 +39,25 @@ The body is valid JSON (simdjson accepted it), and in valid JSON:
 Validation then accounts for *every byte* of the array: per entry the structural
 quotes come in tens (key, ``logprob``, ``rank``, ``decoded_token``, value); each fixed
 piece (``":{"logprob":``, ``,"rank":``, ``,"decoded_token":``, ``}``, ``},{``, the final
-``}}]``) is compared byte for byte at the position the quotes imply; the id is 1-10
-digits without a leading zero, the rank 1-10 digits, the float text only number
-characters (and it must parse as exactly one number per entry); the only bytes not
-checked are string contents, and those hold no structural quote by construction. If
-all of that holds, the bytes *are* that array, so the extracted (position, id,
-logprob) triples are what ``as_list()`` would have produced, in the same order, and
-floats are parsed by the same simdjson number parser. As a last guard the result is
-cross-checked against the parsed document (array length, and every entry of the
-first, middle and last position).
+``}}]``) is compared byte for byte at the position the quotes imply; the id is 1-8
+digits without a leading zero (``"07"`` is not ``str(7)``), the rank 1-8 digits, the
+logprob slot starts with ``-`` or a digit and ends with a digit (so, in valid JSON, it
+is exactly one number with no whitespace; the gathered numbers must also parse as
+exactly one float each); the only bytes not checked are string contents, and those
+hold no structural quote by construction. If all of that holds, the bytes *are* that
+array, so the extracted (position, id, logprob) triples are what ``as_list()`` would
+have produced, in the same order, and floats are parsed by the same simdjson number
+parser (an integer spelling such as ``-3`` or ``-0`` becomes the same double either
+way). As a last guard the result is cross-checked against the parsed document (array
+length, and every entry of the first and last position).
 
 Locating the array: the first ``"prompt_logprobs":[`` in the body (preceded by ``,`` or
 ``{``, so it is a real key), which is choice 0's when choice 0 is the first choice and
 the body has the 0.30/0.11 layout (top-level ``choices`` before any other nested
 field, ``prompt_logprobs`` right before ``prompt_token_ids``); the caller only uses this
 path when choice 0 is ``choices[0]``, and the cross-check above catches a foreign match.
-The end is the first ``],"prompt_token_ids":`` after it.
+The end is the first ``],"prompt_token_ids":[`` after it (the bytes up to that marker
+are then validated as above, so a shorter or longer span cannot pass).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ stats: dict[str, object] = {"fast": 0, "fallback": 0, "last_reason": None}
 _INT32_MAX = 2**31 - 1
 
 _START = b'"prompt_logprobs":['
-_END = b'],"prompt_token_ids":'
+_END = b'],"prompt_token_ids":['
 _HEAD = np.frombuffer(b'[null,{"', dtype=np.uint8)
 
 
@@ -79,20 +84,20 @@ def _word(p: bytes) -> np.uint64:
     return np.frombuffer(p, dtype="<u8")[0]
 
 
-# ``":{"logprob":`` (13 bytes) checked as two overlapping 8-byte words at +0 and +5.
+# ``":{"logprob":`` (13 bytes): the word at +0 and the low 5 bytes of the word at +8.
 _KEY_TAIL = b'":{"logprob":'
-_KT0, _KT5 = _word(_KEY_TAIL[0:8]), _word(_KEY_TAIL[5:13])
+_KT0, _KT8 = _word(_KEY_TAIL[0:8]), _word(_KEY_TAIL[8:13] + b"\0\0\0")
+_MASK5 = np.uint64((1 << 40) - 1)
 # ``,"rank":`` (8 bytes): one word.
 _RANK = _word(b',"rank":')
-# ``,"decoded_token":`` (17 bytes): words at +0, +8, +9.
+# ``,"decoded_token":`` (17 bytes): words at +0 and +8, and the low byte of the word at +16.
 _DT = b',"decoded_token":'
-_DT0, _DT8, _DT9 = _word(_DT[0:8]), _word(_DT[8:16]), _word(_DT[9:17])
+_DT0, _DT8, _DT16 = _word(_DT[0:8]), _word(_DT[8:16]), np.uint64(_DT[16])
 
 _SEP3 = np.uint64(int.from_bytes(b"},", "little"))
 _SEP5 = np.uint64(int.from_bytes(b"}},{", "little"))
 _TAIL = np.frombuffer(b"}}]", dtype=np.uint8)
-#: _KEEP[v]: mask of the low v bytes of a little-endian word.
-_KEEP = np.array([(1 << (8 * v)) - 1 for v in range(9)], dtype=np.uint64)
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 _SPACES = np.uint64(0x2020202020202020)
 _EIGHTS = np.arange(0, 32, 8, dtype=np.intp)
 _MASK2, _MASK4 = np.uint64(0xFFFF), np.uint64(0xFFFFFFFF)
@@ -124,7 +129,7 @@ def scan_prompt_logprobs(body: bytes, pl, pids: np.ndarray, L: int):
         body: the whole response body, already parsed successfully by simdjson.
         pl: the parsed ``prompt_logprobs`` array of the choice with index 0 (``simdjson.Array``),
             which must be ``choices[0]``.
-        pids: the prompt token ids (integer array, ``len >= L``).
+        pids: the prompt token ids (integer array; the fast path needs ``len == L``).
         L: ``len(pl)``, at least 2.
 
     Returns:
@@ -176,21 +181,26 @@ def structural_quotes(R: np.ndarray) -> np.ndarray:
 def _scan(body: bytes, pl, pids: np.ndarray, L: int):
     if not np.issubdtype(pids.dtype, np.integer):
         _fail("prompt ids are not an integer array")
+    if L != pids.size:
+        _fail("prompt_logprobs shorter than the prompt (aborted request)")
     j = body.find(_START)
     if j <= 0 or body[j - 1] not in b",{":
         _fail("no prompt_logprobs key")
     s = j + len(_START) - 1  # the '['
-    e = body.find(_END, s)
-    if e < 0:
-        _fail("prompt_logprobs not followed by prompt_token_ids")
+    e = _find_end(body, s)
     N = e + 1 - s
     if N < 64:
         _fail("array too short")
     R = np.frombuffer(body, dtype=np.uint8, count=N, offset=s)
     if not np.array_equal(R[:8], _HEAD):
         _fail('array does not start with [null,{"')
-    # 8-byte little-endian words at every offset of the array (unaligned view, no copy).
-    W = np.ndarray((N - 7,), dtype="<u8", buffer=body, offset=s, strides=(1,))
+    # 8-byte little-endian words at every offset of the array (unaligned views, no copy). They
+    # may read up to 21 bytes past the array, into the ',"prompt_token_ids":[' checked above;
+    # those bytes are always masked off or compared as part of a longer pattern.
+    X = N + len(_END) - 1
+    W = np.ndarray((X - 7,), dtype="<u8", buffer=body, offset=s, strides=(1,))
+    # Rows of four consecutive words: row i = bytes i .. i+31.
+    W4 = np.ndarray((X - 31, 4), dtype="<u8", buffer=body, offset=s, strides=(1, 8))
 
     sq = structural_quotes(R)
     if sq.size % 10:
@@ -213,14 +223,16 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
         _fail("quotes not where the layout puts them")
     if int(c9[-1]) + 3 != N - 1:
         _fail("array does not end right after the last entry")
-    # The fixed pieces, byte for byte.
+    # The fixed pieces, byte for byte (as 8-byte words; W4 rows are 4 consecutive words).
+    kt = W4[c1, :2]  # '":{"logprob":' + 3 bytes of the number
+    dt = W4[c6 - 1, :3]  # ',"decoded_token":' + 7 bytes of the value
     if not (
-        (W[c1] == _KT0).all()
-        and (W[c1 + 5] == _KT5).all()
+        (kt[:, 0] == _KT0).all()
+        and ((kt[:, 1] & _MASK5) == _KT8).all()
         and (W[c4 - 1] == _RANK).all()
-        and (W[c6 - 1] == _DT0).all()
-        and (W[c6 + 7] == _DT8).all()
-        and (W[c6 + 8] == _DT9).all()
+        and (dt[:, 0] == _DT0).all()
+        and (dt[:, 1] == _DT8).all()
+        and ((dt[:, 2] & np.uint64(0xFF)) == _DT16).all()
     ):
         _fail("unexpected keys or key order")
     # After each value string: '}' closes the entry, then ',' + the next entry of the same
@@ -249,7 +261,9 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
     counts = np.diff(starts, append=E)
 
     ids64 = _ids(W, c0 + 1, c1 - c0 - 1)
-    lp64 = _floats(W, c1 + 13, c4 - (c1 + 13), E)
+    # The rank's value is not used (nor by the generic path), but the slot must hold 1-8 digits.
+    _digits_word(W, c4 + 7, c6 - 1 - (c4 + 7), "rank")
+    lp64 = _floats(W, W4, c1 + 13, c4 - (c1 + 13), E)
 
     # Own token per position, looked up by id (never by place in the row): exactly one per position.
     own = ids64 == pids[pos].astype(np.int64)
@@ -264,18 +278,44 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
     return nn, own64, counts.astype(np.intp), ids64, lp64
 
 
-def _ids(W: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Id keys (1-8 ASCII digits at ``start``, no leading zero) -> int64, SWAR-style on 8-byte words."""
+def _find_end(body: bytes, s: int) -> int:
+    """Index of the ``]`` of the first ``],"prompt_token_ids":`` after ``s``.
+
+    Tries the next few ``]`` bytes first (a memchr each; in vLLM's layout the first ``]``
+    after the array's start is usually its end, unless a decoded_token contains one), then
+    a full substring search.
+    """
+    e = s
+    for _ in range(16):
+        e = body.find(b"]", e + 1)
+        if e < 0:
+            _fail("prompt_logprobs not followed by prompt_token_ids")
+        if body.startswith(_END, e):
+            return e
+    e = body.find(_END, e)
+    if e < 0:
+        _fail("prompt_logprobs not followed by prompt_token_ids")
+    return e
+
+
+def _digits_word(W: np.ndarray, start: np.ndarray, length: np.ndarray, what: str):
+    """Check that each ``length`` (1-8) bytes at ``start`` are ASCII digits; returns (first word, right-aligned word)."""
     if int(length.min()) < 1 or int(length.max()) > 8:
-        _fail("id is not 1-8 digits")
+        _fail(f"{what} is not 1-8 digits")
     # Right-align the digits in the word (little-endian: the first digit is the low byte, so a
     # left shift by the unused byte count moves it up and fills the low bytes with zeros).
-    w = W[start] << (8 * (8 - length)).astype(np.uint64)
+    w0 = W[start]
+    w = w0 << (np.uint64(8) * (np.uint64(8) - length.astype(np.uint64)))
     b = w.view(np.uint8).reshape(-1, 8)
-    if not (((b - np.uint8(48)) <= 9) | (b == 0)).all():  # no NUL byte can be in a JSON string
-        _fail("id is not decimal digits")
-    first = b[np.arange(b.shape[0]), 8 - length]
-    if ((first == 48) & (length > 1)).any():
+    if not (((b - np.uint8(48)) <= 9) | (b == 0)).all():  # a NUL byte is never in valid JSON text
+        _fail(f"{what} is not decimal digits")
+    return w0, w
+
+
+def _ids(W: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Id keys (1-8 ASCII digits at ``start``, no leading zero) -> int64, SWAR-style on 8-byte words."""
+    w0, w = _digits_word(W, start, length, "id")
+    if (((w0 & np.uint64(0xFF)) == 48) & (length > 1)).any():  # the low byte is the first digit
         _fail("id has a leading zero")  # "07" is not str(7): the generic lookup would miss it
     # simdjson's parse_eight_digits_unrolled; the zero bytes act as leading '0' digits.
     v = w & np.uint64(0x0F0F0F0F0F0F0F0F)
@@ -285,7 +325,7 @@ def _ids(W: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
     return v.astype(np.int64)
 
 
-def _floats(W: np.ndarray, start: np.ndarray, length: np.ndarray, E: int) -> np.ndarray:
+def _floats(W: np.ndarray, W4: np.ndarray, start: np.ndarray, length: np.ndarray, E: int) -> np.ndarray:
     """Logprob texts (``length`` includes the ',' of ',"rank":') -> float64, parsed by simdjson.
 
     The texts are copied into a ``[t1,  t2,   ...]`` buffer of fixed 32-byte rows (four
@@ -293,10 +333,18 @@ def _floats(W: np.ndarray, start: np.ndarray, length: np.ndarray, E: int) -> np.
     """
     if int(length.min()) < 2 or int(length.max()) > 32:
         _fail("logprob text empty or too long")
-    words = np.empty((E, 4), dtype=np.uint64)
-    for i in range(4):
-        words[:, i] = W[start + 8 * i]
-    keep = _KEEP[np.clip(length[:, None] - _EIGHTS, 0, 8)]
+    words = W4[start]  # (E, 4): the 32 bytes from each start
+    # A JSON number starts with '-' or a digit and ends with a digit: no whitespace around it.
+    first = words[:, 0] & np.uint64(0xFF)
+    if not (((first - np.uint64(48)) <= 9) | (first == 45)).all():
+        _fail("logprob text does not start like a number")
+    last = W[start + length - 2] & np.uint64(0xFF)
+    if not ((last - np.uint64(48)) <= 9).all():
+        _fail("logprob text does not end with a digit")
+    # Mask of the text's bytes in each word: all-ones >> (64 - 8 * valid bytes); a shift by
+    # 64 or more gives 0 in numpy.
+    valid = np.clip(length[:, None] - _EIGHTS, 0, 8).astype(np.uint64)
+    keep = _ALL >> (np.uint64(64) - np.uint64(8) * valid)
     words &= keep
     words |= _SPACES & ~keep
     rows = words.view(np.uint8).reshape(E, 32)
@@ -345,10 +393,11 @@ def _check_unique_ids(ids64: np.ndarray, pos: np.ndarray, starts: np.ndarray, co
 
 
 def _cross_check(pl, pids, L, starts, counts, ids64, lp64) -> None:
-    """Compare a few rows with the parsed document (guards against a foreign match)."""
-    for i in sorted({1, L // 2, L - 1}):
-        if i < 1:
-            continue
+    """Compare the first and last rows with the parsed document (guards against a foreign match).
+
+    Kept to two rows: reaching row ``i`` walks the document's tape over ``i`` elements.
+    """
+    for i in (1, L - 1) if L > 2 else (1,):
         row = pl[i]
         n = int(counts[i - 1])
         if not isinstance(row, simdjson.Object) or len(row) != n:

@@ -319,8 +319,8 @@ def create_app(ctx: FrontendContext) -> FastAPI:
         seq = req.seq_id if req.seq_id is not None else int.from_bytes(os.urandom(6), "little") + 10**15
         key = f"{req.sampling_session_id}#{seq}"
         shard = shard_of(key, shards)
-        meta = {"sid": req.sampling_session_id, "seq": seq, "owner": owner_of(request), "n": n, "prompt_logprobs": want_plp,
-                "topk": topk, "reserve_bytes": reserve}
+        meta = {"sid": req.sampling_session_id, "seq": seq, "owner": owner_of(request), "n": n,
+                "prompt_logprobs": want_plp, "topk": topk, "reserve_bytes": reserve}
         if want_plp:
             meta["prompt"] = tokens
         body = json.dumps(engine_req, separators=(",", ":")).encode()
