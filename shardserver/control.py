@@ -42,6 +42,7 @@ import logging
 import struct
 from typing import Any, Awaitable, Callable
 
+from .aio import cancel_and_wait
 from .errors import EncoderDeadError
 
 __all__ = ["Kind", "encode_frame", "read_frame", "ControlClient", "serve_control"]
@@ -188,12 +189,7 @@ class ControlClient:
         self._closing = True
         if self._writer is not None:
             self._writer.close()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         self._fail_all("control client closed")
 
 

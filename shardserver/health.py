@@ -24,6 +24,8 @@ from typing import Any
 
 import aiohttp
 
+from .aio import cancel_and_wait
+
 __all__ = ["EngineProbe", "readiness"]
 
 log = logging.getLogger("shardserver.health")
@@ -61,13 +63,8 @@ class EngineProbe:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-probe-{self.shard}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._session is not None:
             await self._session.close()
             self._session = None
