@@ -193,3 +193,65 @@ def test_control_frame_roundtrip():
     a, b = asyncio.run(go())
     assert a == (Kind.SUBMIT, 7, {"sid": "a", "seq": 1}, b"\x00body")
     assert b == (Kind.REPLY, 7, {"request_id": "x"}, b"")
+
+
+def _churn_writer(name: str, conn, seconds: float) -> None:
+    """Child process: keep freeing and rewriting slots at the same offsets, publish each slot."""
+    import time as _t
+
+    w = ArenaWriter(name)
+    rng = random.Random(7)
+    live = []
+    deadline = _t.monotonic() + seconds
+    n = 0
+    while _t.monotonic() < deadline:
+        if len(live) >= 8:
+            w.free(live.pop(0))
+        data = rng.randbytes(rng.randrange(1000, 60_000))
+        slot = w.write(zlib.crc32(data).to_bytes(4, "little") + data)
+        if slot is not None:
+            live.append(slot)
+            conn.send((slot.offset, slot.length, slot.generation))
+            n += 1
+    conn.send(None)
+    conn.close()
+    w.close()
+
+
+def test_reader_never_returns_bytes_of_a_reused_slot():
+    """A writer process reuses slots as fast as it can while this process reads them: every read
+    either returns the exact bytes that were committed (CRC matches) or raises SlotInvalidError."""
+    import multiprocessing as mp
+
+    name = segment_name(os.getpid(), "5eq10c4d", random.randrange(10**6), 0)
+    create_segment(name, 256 * 1024)  # small: offsets are reused constantly
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_churn_writer, args=(name, child, 2.0))
+    proc.start()
+    child.close()
+    r = ArenaReader(name)
+    ok = invalid = 0
+    try:
+        while True:
+            if not parent.poll(10):
+                raise AssertionError("writer process stopped publishing")
+            item = parent.recv()
+            if item is None:
+                break
+            off, length, gen = item
+            for _ in range(3):  # read the same slot a few times while the writer moves on
+                try:
+                    data = r.read(off, length, gen)
+                except SlotInvalidError:
+                    invalid += 1
+                    break
+                assert int.from_bytes(data[:4], "little") == zlib.crc32(data[4:]), "corrupt read"
+                ok += 1
+    finally:
+        proc.join(10)
+        r.close()
+        unlink_segment(name)
+    assert proc.exitcode == 0
+    print(f"reads ok {ok}, invalidated {invalid}")
+    assert ok > 100 and invalid > 10, (ok, invalid)

@@ -30,6 +30,12 @@ Layout (all integers little-endian)::
   copy is discarded. Front-ends send that copy to the socket, so the slot is
   never read after the copy returns and may be reused at once (Python 3.11's
   transports copy unsent data anyway; see ARCHITECTURE.md "zero-copy").
+* Ordering: the writer stores the generation last on commit and zeroes it first on free;
+  the reader loads it before and after the copy. That is enough on x86-64, whose stores are
+  not reordered with stores nor loads with loads (the machines this runs on); a weakly
+  ordered CPU (aarch64) would need fences around those two header accesses.
+  ``tests/test_units.py::test_reader_never_returns_bytes_of_a_reused_slot`` reuses slots
+  from another process as fast as it can while reading them and checks every read's CRC.
 """
 
 from __future__ import annotations
