@@ -102,8 +102,11 @@ class EngineConfig:
     retry_5xx: bool = False
     # ``finish_reason: abort`` (weights being synced) is re-forwarded at most this often.
     max_abort_resubmits: int = 2
-    # Used to bound arena reservations when a request has no max_tokens.
+    # The engine's --max-model-len (tokens): a request without max_tokens generates up to
+    # max_model_len - prompt length (the SDK's "until EOS"), and its arena reservation is sized so.
     max_model_len: int = 65536
+    # Largest engine response body accepted (bytes); vLLM repeats prompt logprobs in every choice.
+    max_body_bytes: int = 512 * 1024 * 1024
     max_num_samples: int = 64
     # Seconds between the encoders' engine probes (GET {url}/health) for /readyz; 0 = no probing.
     health_interval_s: float = 5.0
@@ -118,6 +121,7 @@ class EngineConfig:
         _check(self.max_abort_resubmits, "engine.max_abort_resubmits", self.max_abort_resubmits >= 0, "must be >= 0")
         _check(self.max_model_len, "engine.max_model_len", self.max_model_len >= 1, "must be >= 1")
         _check(self.max_num_samples, "engine.max_num_samples", self.max_num_samples >= 1, "must be >= 1")
+        _check(self.max_body_bytes, "engine.max_body_bytes", self.max_body_bytes >= 1024 * 1024, "must be >= 1 MiB")
         _check(self.health_interval_s, "engine.health_interval_s", self.health_interval_s >= 0, "must be >= 0")
 
 

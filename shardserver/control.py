@@ -100,6 +100,7 @@ class ControlClient:
         self.shard = shard
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._polls: set[int] = set()
         self._next_tag = 1
         self._connected = asyncio.Event()
         self._closing = False
@@ -169,6 +170,8 @@ class ControlClient:
         self._next_tag = (tag % 0xFFFFFFF0) + 1
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[tag] = fut
+        if kind == Kind.POLL:
+            self._polls.add(tag)
         w.write(encode_frame(kind, tag, meta, blob))
         try:
             if timeout is None:
@@ -176,6 +179,20 @@ class ControlClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._pending.pop(tag, None)
+            self._polls.discard(tag)
+
+    def release_polls(self, reply: dict[str, Any]) -> int:
+        """Answer every POLL still waiting on this connection with ``reply`` (used when draining).
+
+        The encoder's own answer, if it comes later, is ignored. Returns how many were released.
+        """
+        n = 0
+        for tag in list(self._polls):
+            fut = self._pending.get(tag)
+            if fut is not None and not fut.done():
+                fut.set_result(dict(reply))
+                n += 1
+        return n
 
     def send(self, kind: Kind, meta: dict[str, Any]) -> bool:
         """Fire-and-forget message; False if not connected."""

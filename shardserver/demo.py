@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .testing import RunningServer, our_processes, our_shm_segments
+from .testing import RunningServer, leftovers_of_started_servers
 
 __all__ = ["run_demo", "expected_completion"]
 
@@ -103,8 +103,7 @@ def run_demo(config_path: str = "configs/demo.toml", samples: int = 256, tokens:
             service.holder.close() if hasattr(service, "holder") else None
         except Exception:
             pass
-    leftover_shm = our_shm_segments()
-    leftover_procs = our_processes()
+    leftover_procs, leftover_shm = leftovers_of_started_servers()
     clean = not leftover_shm and not leftover_procs and not server.leftover_processes
     print(f"server stopped (exit code {server.proc.returncode if server.proc else None}); "
           f"left behind: {len(leftover_shm)} shm segments, {len(leftover_procs)} processes"

@@ -3,16 +3,21 @@
 Maps every transport outcome onto :class:`shardserver.errors.EngineError` in
 this one place:
 
-============================================ ========= ===========================
-outcome                                       category  retried here
-============================================ ========= ===========================
-connection refused / reset before sending     server    yes, ``connect_retries`` times
-HTTP 4xx (but 408, 429)                       user      no
-HTTP 408, 429 (router queue full / timed out) server    no
-HTTP 400 "Out of range float values" (NaN)    server    no
-HTTP 5xx                                      server    only if ``retry_5xx``
-timeout, body read error                      server    no (the engine may have run it)
-============================================ ========= ===========================
+============================================== ========= =============================================
+outcome                                         category  what happens
+============================================== ========= =============================================
+connection refused / reset before sending       --        retried ``connect_retries`` times, then 410
+HTTP 408, 429, 503 (queue full or timed out,    --        retried ``connect_retries`` times (backoff
+admission control: the request never ran)                 0.5, 1, 2 ... 8 s), then 410
+HTTP 4xx (other)                                user      failed future
+HTTP 400 "Out of range float values" (NaN)      server    failed future (the request did run)
+HTTP 5xx (other)                                server    failed future; retried first if ``retry_5xx``
+timeout, connection broken while reading        server    failed future (the engine may have run it)
+============================================== ========= =============================================
+
+"retryable" errors (``EngineError.retryable``) never reached the engine's model: the encoder
+answers the future with 410, and the SDK resubmits the sample with its own backoff, so an RL
+loop rides out an engine restart or a brief overload instead of failing a training step.
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ import aiohttp
 from .config import EngineConfig
 from .errors import EngineError
 
-__all__ = ["EngineClient", "engine_error_message"]
+__all__ = ["EngineClient", "engine_error_message", "NEVER_RAN_STATUSES"]
 
 _NAN_MARK = "Out of range float values are not JSON compliant"
+# Statuses that mean the engine did not run the request: a router's full queue (429), its queue
+# timeout (408), vLLM admission control or a router without workers (503) (spec §8.2, §11.12).
+NEVER_RAN_STATUSES = (408, 429, 503)
 
 
 def engine_error_message(status: int, body: bytes) -> str:
@@ -91,8 +99,15 @@ class EngineClient:
         while True:
             try:
                 async with self._session.post(self.url, data=body, headers=hdrs) as resp:
+                    limit = self.cfg.max_body_bytes
+                    if resp.content_length is not None and resp.content_length > limit:
+                        raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
+                                          f"engine.max_body_bytes={limit}", status=resp.status, category="server")
                     data = await resp.read()
                     status = resp.status
+                    if len(data) > limit:
+                        raise EngineError(f"engine body of {len(data)} bytes exceeds engine.max_body_bytes={limit}",
+                                          status=status, category="server")
             except aiohttp.ClientConnectorError as exc:
                 if attempt < self.cfg.connect_retries:
                     attempt += 1
@@ -110,12 +125,13 @@ class EngineClient:
                 raise EngineError(f"engine request failed: {exc!s}", status=None, category="server") from None
             if status < 400:
                 return data
-            if status >= 500 and self.cfg.retry_5xx and attempt < self.cfg.connect_retries:
+            never_ran = status in NEVER_RAN_STATUSES
+            if (never_ran or (status >= 500 and self.cfg.retry_5xx)) and attempt < self.cfg.connect_retries:
                 attempt += 1
-                await asyncio.sleep(0.05 * 2 ** attempt)
+                await asyncio.sleep(min(0.25 * 2 ** attempt, 8.0))
                 continue
             msg = engine_error_message(status, data)
             # 408/429 come from a router's queue, not from a bad request; vLLM reports its own
             # NaN-serialization failure as a 400 although the request was fine (spec §4, §8.1).
-            user = 400 <= status < 500 and status not in (408, 429) and _NAN_MARK not in msg
-            raise EngineError(msg, status=status, category="user" if user else "server")
+            user = 400 <= status < 500 and not never_ran and _NAN_MARK not in msg
+            raise EngineError(msg, status=status, category="user" if user else "server", retryable=never_ran)

@@ -33,7 +33,7 @@ def server():
 
 
 def engine_body(prompt: list[int], n: int, max_tokens: int, seed: int | None, *, temperature: float = 1.0,
-                prompt_logprobs: int | None = None, stop: list | None = None) -> dict:
+                prompt_logprobs: int | None = None, stop: list | None = None, sim: dict | None = None) -> dict:
     """What the embedded simulator sends for the engine request the gateway builds (parsed JSON)."""
     from shardserver.engine_sim import SimConfig, render_completion
 
@@ -45,7 +45,7 @@ def engine_body(prompt: list[int], n: int, max_tokens: int, seed: int | None, *,
         req["prompt_logprobs"] = prompt_logprobs
     if stop:
         req["stop_token_ids" if isinstance(stop[0], int) else "stop"] = stop
-    return json.loads(render_completion(req, SimConfig.from_mapping({"model_name": BASE_MODEL})))
+    return json.loads(render_completion(req, SimConfig.from_mapping(sim or {"model_name": BASE_MODEL})))
 
 
 def expected_sequences(body: dict) -> list[dict]:

@@ -58,6 +58,12 @@ status = 429
 body = "empty"
 first_token_id = 9007
 [[simulator.faults]]
+kind = "status"
+status = 503
+body = "router"
+first_token_id = 9011
+times = 1
+[[simulator.faults]]
 kind = "nan"
 first_token_id = 9008
 [[simulator.faults]]
@@ -105,7 +111,6 @@ def _sample(fapi, first_token, max_tokens=6, seq_id=0):
     (9003, "server", "engine connection broke"),
     (9004, "server", "bad engine body"),
     (9006, "server", "engine timed out"),
-    (9007, "server", "HTTP 429"),
     (9008, "server", "Out of range float values"),
 ])
 def test_engine_fault_fails_the_future_with_category(fapi, token, category, fragment):
@@ -117,6 +122,26 @@ def test_engine_fault_fails_the_future_with_category(fapi, token, category, frag
     # The failure is kept: a re-poll gets the same answer.
     st2, _, body2 = fapi.post("/api/v1/retrieve_future", {"request_id": rid})
     assert st2 == 200 and json.loads(body2) == err
+
+
+def test_engine_that_never_ran_the_request_answers_410(fapi):
+    """429/408/503 mean the engine did not run it: retried (engine.connect_retries), then 410 so
+    the SDK resubmits the sample rather than failing the user's step."""
+    t0 = time.monotonic()
+    _, st, _, body = _sample(fapi, 9007)
+    assert st == 410 and "engine unavailable" in json.loads(body)["error"]
+    assert "HTTP 429" in json.loads(body)["error"]
+    assert time.monotonic() - t0 >= 1.4  # two retries, 0.5 s then 1 s apart
+
+
+def test_engine_503_once_is_retried_transparently(fapi):
+    from tinker.proto import tinker_public_pb2
+
+    _, st, h, body = _sample(fapi, 9011, max_tokens=5)
+    assert st == 200 and h["content-type"] == "application/x-protobuf"
+    m = tinker_public_pb2.SampleResponse()
+    m.ParseFromString(body)
+    assert len(m.sequences[0].tokens) == 5 * 4
 
 
 def test_nan_body_400_counts_as_server_fault(fapi):

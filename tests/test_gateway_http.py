@@ -230,3 +230,46 @@ def test_training_endpoints_are_refused(api):
     assert st == 501 and "not supported by this gateway" in json.loads(b)["error"]
     st, _, b = api.post("/api/v1/no_such_thing", {})
     assert st == 404
+
+
+def test_token_ids_out_of_int32_range_are_400(api):
+    ssid = api.sampling_session()
+    for bad in (2**31 + 5, -1):
+        st, _, b = _submit(api, ssid, [1, bad], prompt_logprobs=True)
+        assert st == 400 and f"prompt token id {bad} is outside [0, 2^31)" in json.loads(b)["error"]
+    # Nothing was registered: a resubmission with a valid prompt and the same seq_id is a new request.
+    st, _, b = _submit(api, ssid, [1, 2], prompt_logprobs=True)
+    assert st == 200
+
+
+def test_chunked_oversized_body_is_413(api, server):
+    """Without Content-Length the limit is enforced while receiving."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(b"POST /api/v1/asample HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"a" * (1 << 20)
+        resp = b""
+        try:
+            for _ in range(40):  # 40 MiB offered; the server stops at 16 MiB
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            while b"\r\n\r\n" not in resp or not resp.rstrip().endswith(b"}"):
+                part = sock.recv(65536)
+                if not part:
+                    break
+                resp += part
+        except ConnectionResetError:
+            pass
+    assert resp.startswith(b"HTTP/1.1 413 "), resp[:200]
+    assert b"max_request_bytes" in resp
+
+
+def test_model_names_are_bounded(api):
+    st, _, b = api.post("/api/v1/create_session", {"tags": []})
+    sid = json.loads(b)["session_id"]
+    st, _, b = api.post("/api/v1/create_sampling_session", {"session_id": sid, "base_model": "m" * 600})
+    assert st == 400 and "at most 512" in json.loads(b)["error"]

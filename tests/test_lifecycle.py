@@ -174,3 +174,48 @@ def test_invalid_config_stops_start_with_the_key(tmp_path):
     assert proc.returncode == 0
     shown = json.loads(proc.stdout)
     assert shown["shards"]["count"] == 3 and shown["server"]["id_secret"] == "***"
+
+
+def test_sigterm_answers_held_polls_with_try_again():
+    """Polls held by the long-poll get 408 try_again as soon as shutdown starts, not a 500 later."""
+    env = {"SHARDSERVER_SIMULATOR__LATENCY_S": "30", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_SERVER__GRACEFUL_SHUTDOWN_S": "5"}
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rids = [api.submit(ssid, [3, i], i) for i in range(6)]
+        results: list = []
+
+        def poll(rid: str) -> None:
+            st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
+            results.append((st, b, time.monotonic()))
+
+        threads = [threading.Thread(target=poll, args=(r,)) for r in rids]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(15)
+        assert s.proc.wait(15) == 0
+        assert time.monotonic() - t0 < 10
+    assert [st for st, _, _ in results] == [408] * 6
+    assert all(json.loads(b)["type"] == "try_again" for _, b, _ in results)
+    assert max(t for _, _, t in results) - t0 < 2.0
+    assert not any("Traceback" in line for line in s.log_lines)
+
+
+def test_port_in_use_is_a_one_line_error():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "shardserver.cli", "serve", "--config",
+                               str(REPO / "configs" / "demo.toml"), "--port", str(port)],
+                              capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port} (server.host / server.port)" in proc.stderr
+    assert "Traceback" not in proc.stderr

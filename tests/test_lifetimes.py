@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_MODEL, Api, engine_body
+from shardserver.shm.arena import ArenaWriter
 from shardserver.testing import RunningServer, http_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -61,15 +62,20 @@ def test_ttls_and_long_poll():
         assert sum(sh["counters"].get("expired", 0) for sh in stats["shards"]) == 1
 
 
-def test_engine_unreachable_fails_with_server_category():
+def test_engine_unreachable_answers_410_after_retries():
+    """Connection refused: the request never reached the engine, so after engine.connect_retries
+    the future answers 410 and the SDK resubmits (an engine restart does not fail the RL step)."""
     env = {"SHARDSERVER_ENGINE__URL": "http://127.0.0.1:9", "SHARDSERVER_ENGINE__CONNECT_RETRIES": "1",
-           "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_SHARDS__COUNT": "1"}
+           "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_SHARDS__COUNT": "1",
+           "SHARDSERVER_ENGINE__HEALTH_INTERVAL_S": "0.2"}
     with RunningServer(env=env) as s:
         api = Api(s.url)
+        st, _, b = http_json(s.url + "/readyz")
+        assert st == 503 and json.loads(b)["engine_down"] == [0]
         rid = _sample(api, api.sampling_session(), [1], 0)
         st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
-        err = json.loads(b)
-        assert st == 200 and err["category"] == "server" and "cannot connect to engine" in err["error"]
+        assert st == 410 and "cannot connect to engine" in json.loads(b)["error"]
+        assert s.stats()["shards"][0]["counters"]["engine_unavailable"] == 1
 
 
 async def _drive(url: str, jobs: list[tuple[list[int], int]], tokens: int, concurrency: int,
@@ -205,3 +211,25 @@ def test_sdk_backs_off_on_429_and_completes():
         want = engine_body([5, 3], 1, 32768, 2)["choices"][0]["token_ids"]
         assert list(results[5].sequences[0].tokens) == want
         assert s.stats()["shards"][0]["counters"]["rejected_429"] >= 1
+
+
+def test_json_poll_of_a_delivered_result_in_a_full_arena_does_not_leak():
+    """Caching the JSON form may evict other delivered results, never the one being answered."""
+    env = {"SHARDSERVER_SHARDS__ARENA_BYTES": str(1 << 20), "SHARDSERVER_SHARDS__COUNT": "1",
+           "SHARDSERVER_SERVER__FRONT_ENDS": "1"}
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid = api.submit(ssid, [1, 2], 0, max_tokens=32768)
+        st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
+        assert st == 200
+        for _ in range(2):  # JSON twice: derived per response (no room to cache), same bytes
+            st, h, b = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/json"})
+            assert st == 200 and len(json.loads(b)["sequences"][0]["tokens"]) == 32768
+        shard = s.stats()["shards"][0]
+        assert shard["futures"] == {"done": 1}
+        assert shard["arena_used_bytes"] == ArenaWriter.slot_bytes(32768 * 8 + 12)
+        # The arena can still take a new large request once the delivered result is evicted.
+        rid2 = api.submit(ssid, [1, 3], 1, max_tokens=32768)
+        rid3 = api.submit(ssid, [1, 4], 2, max_tokens=32768)
+        assert rid2 != rid3

@@ -146,3 +146,30 @@ def test_old_sdk(server, version, venv):
         assert [None if r is None else [tuple(x) for x in r] for r in got["topk_prompt_logprobs"]] == \
             [None if r is None else [tuple(x) for x in r] for r in topk]
     assert out["json_form"]["content_type"].startswith("application/json")
+
+
+def test_max_tokens_unset_generates_until_eos_not_16(tmp_path):
+    """The SDK leaves max_tokens unset for "until EOS": the gateway sends max_model_len - prompt
+    length (vLLM alone would stop after 16 tokens); stop=[] also ignores EOS."""
+    from tinker import types
+
+    import tinker
+    from shardserver.testing import RunningServer
+
+    env = {"SHARDSERVER_SIMULATOR__EOS_PROBABILITY": "0.01", "SHARDSERVER_ENGINE__MAX_MODEL_LEN": "4096",
+           "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_SHARDS__COUNT": "1"}
+    with RunningServer(env=env) as s:
+        sampler = tinker.ServiceClient(base_url=s.url, api_key="tml-t").create_sampling_client(
+            base_model=BASE_MODEL).result(60)
+        prompt = [81, 82, 83]
+        resp = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=4,
+                              sampling_params=types.SamplingParams(seed=3)).result(60)
+        sim = {"model_name": BASE_MODEL, "eos_probability": 0.01, "max_model_len": 4096}
+        body = engine_body(prompt, 4, 4096 - 3, 3, sim=sim)
+        _check(resp, body)
+        assert all(s.stop_reason == "stop" and s.tokens[-1] == 151643 for s in resp.sequences)
+        assert max(len(s.tokens) for s in resp.sequences) > 16
+        # stop=[]: no stop at all, EOS included: every sequence runs to max_tokens.
+        resp = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=2,
+                              sampling_params=types.SamplingParams(seed=3, max_tokens=300, stop=[])).result(60)
+        assert [(len(s.tokens), s.stop_reason) for s in resp.sequences] == [(300, "length")] * 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 import zlib
 
 import pytest
@@ -167,18 +168,35 @@ def test_arena_random_reuse_keeps_every_checksum(arena):
 
 
 def test_remove_stale_segments_only_removes_dead_runs():
+    """Segments of a live shardserver process stay; those of a missing pid, of a zombie, or of a
+    pid now used by an unrelated program go."""
+    import subprocess
+    import sys
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "shardserver-test"])
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    zombie = subprocess.Popen([sys.executable, "-c", "pass", "shardserver-test"])
     dead_pid = 2 ** 22 + 12345  # above pid_max on default kernels: never alive
-    dead = segment_name(dead_pid, "deadbeef", 0, 0)
-    mine = segment_name(os.getpid(), "deadbeef", 1, 0)
-    create_segment(dead, 4096)
-    create_segment(mine, 4096)
+    names = {"live": segment_name(live.pid, "deadbeef", 0, 0), "dead": segment_name(dead_pid, "deadbeef", 0, 0),
+             "unrelated": segment_name(unrelated.pid, "deadbeef", 0, 0),
+             "zombie": segment_name(zombie.pid, "deadbeef", 0, 0)}
     try:
+        for n in names.values():
+            create_segment(n, 4096)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and b") Z" not in open(f"/proc/{zombie.pid}/stat", "rb").read():
+            time.sleep(0.02)  # exited but not waited for: a zombie
         removed = remove_stale_segments()
-        assert dead in removed and mine not in removed
-        assert os.path.exists(f"/dev/shm/{mine}") and not os.path.exists(f"/dev/shm/{dead}")
+        assert names["live"] not in removed and os.path.exists(f"/dev/shm/{names['live']}")
+        for k in ("dead", "unrelated", "zombie"):
+            assert names[k] in removed and not os.path.exists(f"/dev/shm/{names[k]}"), k
     finally:
-        unlink_segment(dead)
-        unlink_segment(mine)
+        for n in names.values():
+            unlink_segment(n)
+        for p in (live, unrelated):
+            p.kill()
+            p.wait()
+        zombie.wait()
 
 
 # -- control frames ----------------------------------------------------------------------------

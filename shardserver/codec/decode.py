@@ -145,6 +145,10 @@ def _fail_not_json(body: bytes, exc: Exception) -> EngineBodyError:
     return EngineBodyError("$", f"body is not valid JSON ({msg}){hint}")
 
 
+# Bodies above this size (bytes) are parsed and then the parser is replaced (see decode()).
+PARSER_KEEP_BYTES = 32 * 1024 * 1024
+
+
 class CompletionDecoder:
     """Decodes vLLM completion bodies; one per process (it owns a reusable ``simdjson.Parser``).
 
@@ -206,6 +210,11 @@ class CompletionDecoder:
             e.__context__ = None
             e.__cause__ = None
             raise e.with_traceback(None) from None
+        finally:
+            if len(body) > PARSER_KEEP_BYTES:
+                # A reused Parser keeps buffers sized for the largest document it has seen
+                # (about 10x the body): after a rare huge body, start over with a small one.
+                self._parser = simdjson.Parser()
 
     # -- internals ---------------------------------------------------------------------------
 

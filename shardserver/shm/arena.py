@@ -59,6 +59,7 @@ __all__ = [
     "unlink_segment",
     "segment_name",
     "remove_stale_segments",
+    "pid_alive",
     "ArenaWriter",
     "ArenaReader",
 ]
@@ -107,14 +108,18 @@ def unlink_segment(name: str) -> bool:
         return False
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) shardserver process.
+
+    A zombie, a missing pid, or a pid reused by an unrelated program all count as dead.
+    """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = open(f"/proc/{pid}/stat", "rb").read()
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    state = stat.rsplit(b")", 1)[1].split()[0]
+    return state != b"Z" and b"shardserver" in cmdline
 
 
 def remove_stale_segments() -> list[str]:
@@ -126,7 +131,7 @@ def remove_stale_segments() -> list[str]:
         return removed
     for name in names:
         m = _NAME_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))) and unlink_segment(name):
+        if m and not pid_alive(int(m.group(1))) and unlink_segment(name):
             removed.append(name)
     return removed
 

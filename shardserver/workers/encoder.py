@@ -132,18 +132,27 @@ class EncoderCore:
         e.gone_reason = e.gone_reason or "expired"
         self._wake(e)
 
-    def _evict_delivered_until(self, fits) -> bool:
-        """Evict delivered results, oldest delivery first, until ``fits()`` is true."""
-        while not fits():
-            if not self.delivered:
-                return False
-            fid, _ = self.delivered.popitem(last=False)
-            e = self.table.get(fid)
-            if e is not None:
-                e.gone_reason = "evicted"
-                self._drop(e)
-                self.counters["evicted"] += 1
-        return True
+    def _evict_delivered_until(self, fits, keep: str | None = None) -> bool:
+        """Evict delivered results, oldest delivery first, until ``fits()`` is true.
+
+        ``keep``: a future that must survive (the one being answered); it keeps its place.
+        """
+        kept = keep is not None and self.delivered.pop(keep, False) is None
+        try:
+            while not fits():
+                if not self.delivered:
+                    return False
+                fid, _ = self.delivered.popitem(last=False)
+                e = self.table.get(fid)
+                if e is not None:
+                    e.gone_reason = "evicted"
+                    self._drop(e)
+                    self.counters["evicted"] += 1
+            return True
+        finally:
+            if kept:
+                self.delivered[keep] = None
+                self.delivered.move_to_end(keep, last=False)
 
     # -- SUBMIT --------------------------------------------------------------------------
     def submit(self, meta: dict[str, Any], body: bytes) -> dict[str, Any]:
@@ -161,6 +170,13 @@ class EncoderCore:
         if fid is not None and fid in self.table:
             self.counters["deduplicated"] += 1
             return {"request_id": fid, "duplicate": True}
+        # Everything that can fail happens before the table or the arena is touched.
+        prompt = meta.get("prompt")
+        try:
+            prompt_arr = np.asarray(prompt, dtype=np.int32) if prompt is not None else None
+            n, want_plp, topk = int(meta["n"]), bool(meta.get("prompt_logprobs")), int(meta.get("topk", 0))
+        except (OverflowError, ValueError, TypeError) as exc:
+            return {"status": 400, "message": f"invalid sample request: {exc}"}
         need = ArenaWriter.slot_bytes(int(meta["reserve_bytes"]))
         if need > self.arena.size:
             return {"status": 400, "message": (
@@ -178,12 +194,8 @@ class EncoderCore:
         self.table[fid] = e
         self.by_key[key] = fid
         self._set_deadline(e, self.cfg.futures.pending_ttl_s)
-        prompt = meta.get("prompt")
-        prompt_arr = np.asarray(prompt, dtype=np.int32) if prompt is not None else None
         e.task = asyncio.get_running_loop().create_task(
-            self._run(e, body, meta["sid"], int(meta["n"]), bool(meta.get("prompt_logprobs")),
-                      int(meta.get("topk", 0)), prompt_arr),
-            name=f"engine-call-{fid[:16]}")
+            self._run(e, body, meta["sid"], n, want_plp, topk, prompt_arr), name=f"engine-call-{fid[:16]}")
         self.counters["submitted"] += 1
         return {"request_id": fid}
 
@@ -198,7 +210,11 @@ class EncoderCore:
                     data = await self.engine.post(body, headers)
                 except EngineError as exc:
                     self.timers.engine(time.perf_counter() - t_engine, False)
-                    self._fail(e, str(exc), exc.category)
+                    if exc.retryable:  # the engine never ran it: 410 makes the SDK resubmit
+                        self.counters["engine_unavailable"] += 1
+                        self._gone(e, f"engine unavailable ({exc}); resubmit")
+                    else:
+                        self._fail(e, str(exc), exc.category)
                     return
                 t0 = time.perf_counter()
                 self.timers.engine(t0 - t_engine, True)
@@ -302,7 +318,8 @@ class EncoderCore:
                 js = sample_response_to_json(self.arena.read(e.slot))
                 e.json_slot = self.arena.write(js)
                 if e.json_slot is None:
-                    self._evict_delivered_until(lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(len(js)))
+                    self._evict_delivered_until(lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(len(js)),
+                                                keep=e.fid)
                     e.json_slot = self.arena.write(js)
                 if e.json_slot is None:
                     # No room to cache the JSON form: hand out the proto and let the front-end

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -46,6 +48,8 @@ __all__ = ["FrontendContext", "create_app", "FrontendProc", "PROTO_MEDIA_TYPE", 
 log = logging.getLogger("shardserver.frontend")
 
 PROTO_MEDIA_TYPE = "application/x-protobuf"
+# Longest base_model / model_path accepted (they travel inside the signed sampling-session ID).
+MAX_MODEL_NAME = 512
 # Endpoints of the Tinker API that train; this gateway only samples.
 TRAINING_ENDPOINTS = (
     "create_model", "forward", "forward_backward", "optim_step", "load_weights", "save_weights",
@@ -65,6 +69,7 @@ class FrontendContext:
     readers: dict[str, ArenaReader] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=FrontendCounters)  # bytes_delivered also feeds Prometheus
     ready_conn: Any = None
+    draining: bool = False
     auth: KeyTable = field(default_factory=KeyTable.open)  # the accepted API keys (digests only)
 
     def count(self, name: str, n: int = 1) -> None:
@@ -85,6 +90,12 @@ class FrontendContext:
             c.start()
         for c in self.clients:
             await c.wait_connected(self.cfg.shards.ready_timeout_s)
+
+    def drain(self) -> None:
+        """Shutdown has begun: release held polls (they answer 408 try_again) and refuse new holds."""
+        self.draining = True
+        for c in self.clients:
+            c.release_polls({"state": "pending", "draining": True})
 
     async def stop(self) -> None:
         for c in self.clients:
@@ -160,9 +171,15 @@ def create_app(ctx: FrontendContext) -> FastAPI:
         cl = request.headers.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > max_body:
             raise _BodyError(413, f"request body of {cl} bytes exceeds server.max_request_bytes={max_body}")
-        body = await request.body()
-        if len(body) > max_body:
-            raise _BodyError(413, f"request body of {len(body)} bytes exceeds server.max_request_bytes={max_body}")
+        # Count while receiving: a chunked upload without Content-Length is cut off at the limit.
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise _BodyError(413, f"request body exceeds server.max_request_bytes={max_body} bytes")
+            parts.append(chunk)
+        body = b"".join(parts)
         try:
             return json.loads(body) if body else {}
         except ValueError as exc:
@@ -248,6 +265,10 @@ def create_app(ctx: FrontendContext) -> FastAPI:
             return _error(404, f"unknown session_id {req.session_id[:64]!r} (create_session first)")
         if not req.base_model and not req.model_path:
             return _error(400, "create_sampling_session needs base_model or model_path")
+        for name in ("base_model", "model_path"):
+            v = getattr(req, name)
+            if v is not None and len(v) > MAX_MODEL_NAME:
+                return _error(400, f"{name} is {len(v)} characters long; at most {MAX_MODEL_NAME} are accepted")
         sid = ctx.signer.mint_sampling_session_id(
             SamplingSession(req.session_id, req.base_model, req.model_path, req.sampling_session_seq_id),
             owner_of(request))
@@ -258,8 +279,10 @@ def create_app(ctx: FrontendContext) -> FastAPI:
         sess = ctx.signer.open_sampling_session_id(sampler_id, owner_of(request))
         if sess is None:
             return _error(404, "unknown sampler id")
-        return JSONResponse({"sampler_id": sampler_id, "base_model": sess.base_model or sess.model_path or "",
-                             "model_path": sess.model_path}, headers=fe_header)
+        # base_model picks the client's tokenizer: a model_path-only session reports the engine's model.
+        base = sess.base_model or cfg.engine.model or sess.model_path or ""
+        return JSONResponse({"sampler_id": sampler_id, "base_model": base, "model_path": sess.model_path},
+                            headers=fe_header)
 
     # -- sampling -------------------------------------------------------------------------------
     @app.post("/api/v1/asample")
@@ -277,6 +300,9 @@ def create_app(ctx: FrontendContext) -> FastAPI:
                 return _error(400, f"prompt.chunks[{i}]: chunk type {ctype!r} is not supported by this gateway "
                                    "(token prompts only)")
             tokens.extend(EncodedTextChunk.model_validate(chunk).tokens)
+        if tokens and not (0 <= min(tokens) and max(tokens) < 2**31):
+            bad = next(t for t in tokens if not 0 <= t < 2**31)
+            return _error(400, f"prompt token id {bad} is outside [0, 2^31)")
         if not tokens:
             return _error(400, "prompt has no tokens")
         sess = ctx.signer.open_sampling_session_id(req.sampling_session_id, owner_of(request))
@@ -291,9 +317,13 @@ def create_app(ctx: FrontendContext) -> FastAPI:
         max_tokens = sp.max_tokens
         if plen >= cfg.engine.max_model_len:
             return _error(400, f"prompt of {plen} tokens does not fit engine.max_model_len={cfg.engine.max_model_len}")
-        gen_bound = max_tokens if max_tokens is not None else cfg.engine.max_model_len - plen
-        want_plp = bool(req.prompt_logprobs)
-        topk = req.topk_prompt_logprobs if want_plp else 0
+        if max_tokens is None:
+            # Unset means "until EOS or the context is full" for the SDK; vLLM would use 16.
+            max_tokens = cfg.engine.max_model_len - plen
+        gen_bound = max_tokens
+        # topk_prompt_logprobs > 0 implies prompt logprobs (the top-k rows come with them).
+        topk = req.topk_prompt_logprobs
+        want_plp = bool(req.prompt_logprobs) or topk > 0
         # Largest SampleResponse this request can produce (bytes): per sequence tokens + logprobs,
         # plus prompt logprobs and the top-k matrices, plus framing.
         reserve = n * (8 * gen_bound + 32) + 32
@@ -311,6 +341,8 @@ def create_app(ctx: FrontendContext) -> FastAPI:
             engine_req["prompt_logprobs"] = topk
         if isinstance(sp.stop, str):
             engine_req["stop"] = [sp.stop]
+        elif sp.stop is not None and len(sp.stop) == 0:
+            engine_req["ignore_eos"] = True  # the SDK's stop=[]: no stop at all, EOS included
         elif sp.stop:
             if all(isinstance(s, int) for s in sp.stop):
                 engine_req["stop_token_ids"] = sp.stop
@@ -361,7 +393,7 @@ def create_app(ctx: FrontendContext) -> FastAPI:
         for _attempt in range(3):
             try:
                 reply = await client.request(
-                    Kind.POLL, {"fid": fid, "timeout": cfg.futures.long_poll_s, "want": want},
+                    Kind.POLL, {"fid": fid, "timeout": 0 if ctx.draining else cfg.futures.long_poll_s, "want": want},
                     timeout=cfg.futures.long_poll_s + 15)
             except EncoderDeadError as exc:
                 ctx.count("retrieve_410")
@@ -414,6 +446,23 @@ def create_app(ctx: FrontendContext) -> FastAPI:
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server, plus: when shutdown starts, held retrieve_future polls are answered at
+    once (408 try_again, which the SDK re-polls) instead of being cut off as 500s at the end of
+    the graceful period."""
+
+    def __init__(self, config: uvicorn.Config, ctx: FrontendContext) -> None:
+        super().__init__(config)
+        self._ctx = ctx
+
+    def handle_exit(self, sig, frame) -> None:  # runs in the signal handler: only schedule work
+        super().handle_exit(sig, frame)
+        try:
+            asyncio.get_running_loop().call_soon_threadsafe(self._ctx.drain)
+        except RuntimeError:
+            pass
+
+
 class FrontendProc:
     """Process wrapper: ``FrontendProc.run`` is the only spawn target of a front-end."""
 
@@ -423,17 +472,15 @@ class FrontendProc:
         from ._subprocess import child_setup
 
         child_setup(f"front-end {index}", cfg)
-        import uvicorn
-
         ctx = FrontendContext(cfg=cfg, index=index, signer=IdSigner(secret, run_id), socket_paths=socket_paths,
                               ready_conn=ready_conn, auth=auth or KeyTable.open())
         app = create_app(ctx)
         ucfg = uvicorn.Config(
             app, loop="uvloop", http="httptools", lifespan="on", access_log=False,  # see shardserver.access_log
-            log_config=None, log_level=cfg.server.log_level, timeout_keep_alive=int(cfg.server.keep_alive_s),
-            timeout_graceful_shutdown=int(cfg.server.graceful_shutdown_s) or None, backlog=cfg.server.backlog,
+            log_config=None, log_level=cfg.server.log_level, timeout_keep_alive=max(1, math.ceil(cfg.server.keep_alive_s)),
+            timeout_graceful_shutdown=max(1, math.ceil(cfg.server.graceful_shutdown_s)), backlog=cfg.server.backlog,
             server_header=False)
-        server = uvicorn.Server(ucfg)
+        server = DrainingServer(ucfg, ctx)
 
         async def watch_parent() -> None:
             while not server.should_exit:

@@ -40,7 +40,7 @@ from typing import Any, Callable
 from ..auth import load_key_table
 from ..config import Config
 from ..multiproc import mark_dead, prepare_multiproc_dir
-from ..shm.arena import create_segment, remove_stale_segments, segment_name, unlink_segment
+from ..shm.arena import create_segment, pid_alive, remove_stale_segments, segment_name, unlink_segment
 
 __all__ = ["Supervisor", "ChildSpec", "StartupError"]
 
@@ -84,11 +84,10 @@ def _remove_stale_run_dirs() -> None:
             continue
         try:
             pid = int(name[len(RUN_DIR_PREFIX):].split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-        except (ValueError, PermissionError, OSError):
+        except ValueError:
             continue
+        if not pid_alive(pid):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
 def shutdown_procs(procs: list[Any], timeout: float) -> None:
@@ -222,7 +221,11 @@ class Supervisor:
             _remove_stale_run_dirs()
             self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{self.pid}-")
             prepare_multiproc_dir(self.run_dir)  # before any child is spawned: they inherit it
-            self.sock = _bind(cfg.server.host, cfg.server.port, cfg.server.backlog)
+            try:
+                self.sock = _bind(cfg.server.host, cfg.server.port, cfg.server.backlog)
+            except OSError as exc:
+                raise StartupError(f"cannot listen on {cfg.server.host}:{cfg.server.port} "
+                                   f"(server.host / server.port): {exc.strerror or exc}") from None
             host, port = self.sock.getsockname()[:2]
             self.address = (host, port)
             if cfg.uses_simulator:
