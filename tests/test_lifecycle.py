@@ -219,3 +219,28 @@ def test_port_in_use_is_a_one_line_error():
     assert proc.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port} (server.host / server.port)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_crash_looping_encoder_restarts_with_backoff():
+    """An encoder that keeps dying right after its start is restarted after 0.5, 1, 2 ... s,
+    not in a tight loop; once it stays up the gateway is ready again."""
+    with RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1"}) as s:
+        killed = []
+        deadline = time.monotonic() + 30
+        while len(killed) < 3 and time.monotonic() < deadline:
+            pids = [p for p in _titled(s.proc.pid, "shardserver: encoder 0") if p not in killed]
+            if pids:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+            time.sleep(0.05)
+        assert len(killed) == 3
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and http_json(s.url + "/readyz")[0] != 200:
+            time.sleep(0.1)
+        assert http_json(s.url + "/readyz")[0] == 200
+        api = Api(s.url)
+        rid = _submit(api, [4, 4])
+        assert api.post("/api/v1/retrieve_future", {"request_id": rid})[0] == 200
+    held = [line for line in s.log_lines if "times in a row): restarting in" in line]
+    assert any("restarting in 0.5 s" in line for line in held), held
+    assert any("restarting in 1.0 s" in line for line in held), held

@@ -47,6 +47,9 @@ __all__ = ["Supervisor", "ChildSpec", "StartupError"]
 log = logging.getLogger("shardserver.supervisor")
 _CTX = mp.get_context("spawn")
 RUN_DIR_PREFIX = "shardserver-run-"
+# A child that dies within this many seconds of its start counts as crash-looping: its next
+# restarts wait 0.5, 1, 2 ... 30 s.
+CRASH_LOOP_WINDOW_S = 10.0
 
 
 class StartupError(RuntimeError):
@@ -60,6 +63,9 @@ class ChildSpec:
     proc: Any = None
     incarnation: int = 0
     restarts: int = 0
+    started_at: float = 0.0      # time.monotonic() of the last start
+    fast_failures: int = 0       # consecutive deaths within CRASH_LOOP_WINDOW_S of a start
+    restart_at: float = 0.0      # when a held-back restart is due (0: none)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -161,6 +167,7 @@ class Supervisor:
             args=(self.cfg, spec.index, name, self._sock_path(spec.index), self.engine_url, self.secret,
                   self.run_id, child_conn, self.pid))
         spec.proc.start()
+        spec.started_at = time.monotonic()
         child_conn.close()
         return parent_conn
 
@@ -173,6 +180,7 @@ class Supervisor:
             args=(self.cfg, spec.index, self.sock, [self._sock_path(s) for s in range(self.cfg.shards.count)],
                   self.secret, self.run_id, self.pid, child_conn), kwargs={"auth": self.keys})
         spec.proc.start()
+        spec.started_at = time.monotonic()
         child_conn.close()
         return parent_conn
 
@@ -255,14 +263,32 @@ class Supervisor:
     def _supervise(self) -> None:
         while not self._signals:
             children = [c for c in (*self.encoders, *self.front_ends, *([self.sim] if self.sim else []))]
-            sentinels = {c.proc.sentinel: c for c in children if c.proc is not None}
+            now = time.monotonic()
+            for c in children:  # restarts that were held back by the crash-loop backoff
+                if c.restart_at and c.restart_at <= now:
+                    c.restart_at = 0.0
+                    self._restart(c)
+            sentinels = {c.proc.sentinel: c for c in children if c.proc is not None and not c.restart_at}
             ready = mpc.wait(list(sentinels), timeout=0.2)
             if self._signals:
                 break
             for s in ready:
                 child = sentinels[s]
                 child.proc.join(0.1)
-                self._restart(child)
+                self._on_exit(child)
+
+    def _on_exit(self, child: ChildSpec) -> None:
+        """A child died: restart it now, or later when it keeps dying right after its start."""
+        code = child.proc.exitcode
+        lived = time.monotonic() - child.started_at
+        child.fast_failures = child.fast_failures + 1 if lived < CRASH_LOOP_WINDOW_S else 0
+        delay = 0.0 if child.fast_failures <= 1 else min(0.5 * 2 ** (child.fast_failures - 2), 30.0)
+        if delay:
+            log.error("%s (pid %s) exited with code %s %.1f s after its start (%d times in a row): "
+                      "restarting in %.1f s", child.name, child.proc.pid, code, lived, child.fast_failures, delay)
+            child.restart_at = time.monotonic() + delay
+            return
+        self._restart(child)
 
     def _restart(self, child: ChildSpec) -> None:
         code = child.proc.exitcode
@@ -298,6 +324,7 @@ class Supervisor:
                                       args=(self.sim_sock, dict(self.cfg.simulator), self.cfg.server.log_level,
                                             self.pid))
             child.proc.start()
+            child.started_at = time.monotonic()
 
     def _shutdown(self) -> None:
         if self._stopping:
