@@ -18,6 +18,7 @@ import dataclasses
 import os
 import re
 import tomllib
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -34,6 +35,9 @@ __all__ = [
     "load_config",
     "config_from_mapping",
     "ENV_PREFIX",
+    "mask_url",
+    "mask_urls_in",
+    "engine_base_url",
 ]
 
 ENV_PREFIX = "SHARDSERVER_"
@@ -75,14 +79,11 @@ class ShardsConfig:
     arena_bytes: int = 256 * MiB
     # Seconds the supervisor waits for a worker's READY before giving up.
     ready_timeout_s: float = 30.0
-    # Seconds a worker may be dead before the supervisor restarts it (0 = at once).
-    restart_delay_s: float = 0.0
 
     def validate(self) -> None:
         _check(self.count, "shards.count", 1 <= self.count <= 256, "must be 1..256")
         _check(self.arena_bytes, "shards.arena_bytes", self.arena_bytes >= 1 * MiB, "must be >= 1 MiB (1048576)")
         _check(self.ready_timeout_s, "shards.ready_timeout_s", self.ready_timeout_s > 0, "must be > 0")
-        _check(self.restart_delay_s, "shards.restart_delay_s", self.restart_delay_s >= 0, "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +113,16 @@ class EngineConfig:
     health_interval_s: float = 5.0
 
     def validate(self) -> None:
-        _check(self.url, "engine.url", self.url == "" or self.url.startswith(("http://", "https://")),
-               "must be empty (embedded simulator) or an http(s):// URL")
+        if self.url:
+            try:
+                parts = urlsplit(self.url)
+                port_ok = parts.port is None or parts.port > 0
+            except ValueError:
+                parts, port_ok = None, False
+            _check(mask_url(self.url), "engine.url",
+                   parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname) and port_ok
+                   and not parts.query and not parts.fragment,
+                   "must be empty (embedded simulator) or an http(s)://host[:port][/path] URL")
         _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
         _check(self.pool_size, "engine.pool_size", self.pool_size >= 1, "must be >= 1")
@@ -226,6 +235,26 @@ _SECTIONS: dict[str, type] = {
 _SECRET_NAME_PARTS = ("secret", "password", "passwd", "token", "api_key", "apikey", "credential")
 
 
+def mask_url(url: str) -> str:
+    """``url`` with any ``user:password@`` replaced by ``***@``, for logs and error messages."""
+    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def mask_urls_in(text: str) -> str:
+    """``text`` (e.g. an aiohttp error message) with credentials of any URL in it masked."""
+    return re.sub(r"://[^/@\s]+@", "://***@", text)
+
+
+def engine_base_url(url: str) -> str:
+    """The engine's base URL as the gateway uses it: no trailing ``/`` and no trailing ``/v1``
+    (OpenAI-style base URLs end in ``/v1``; the gateway appends ``/v1/completions`` itself)."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
 def _mask(d: dict[str, Any]) -> dict[str, Any]:
     """``d`` with secret-looking values replaced by ``"***"``: values of secret-named fields
     (``id_secret``, ``*token*``, ``*password*``, ...) and any string that looks like an API key
@@ -237,9 +266,8 @@ def _mask(d: dict[str, Any]) -> dict[str, Any]:
             v = "***"
         elif isinstance(v, str) and v.startswith(("tml-", "eyJ")):
             v = "***"
-        elif isinstance(v, str) and "://" in v and "@" in v.split("://", 1)[1].split("/", 1)[0]:
-            scheme, rest = v.split("://", 1)
-            v = f"{scheme}://***@{rest.split('@', 1)[1]}"  # credentials in a URL
+        elif isinstance(v, str) and "://" in v:
+            v = mask_url(v)  # credentials in a URL
         elif isinstance(v, dict):
             v = _mask(v)
         out[k] = v

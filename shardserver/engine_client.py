@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 
-from .config import EngineConfig
+from .config import EngineConfig, engine_base_url, mask_url, mask_urls_in
 from .errors import EngineError
 
 __all__ = ["EngineClient", "engine_error_message", "NEVER_RAN_STATUSES"]
@@ -71,7 +72,8 @@ class EngineClient:
 
     def __init__(self, cfg: EngineConfig, url: str) -> None:
         self.cfg = cfg
-        self.url = url.rstrip("/") + "/v1/completions"
+        self.url = engine_base_url(url) + "/v1/completions"
+        self.display_url = mask_url(self.url)  # for messages: no credentials
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -113,16 +115,16 @@ class EngineClient:
                     attempt += 1
                     await asyncio.sleep(0.05 * 2 ** attempt)
                     continue
-                raise EngineError(f"cannot connect to engine at {self.url}: {exc}", status=None,
+                raise EngineError(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}", status=None,
                                   category="server", retryable=True) from None
             except asyncio.TimeoutError:
                 raise EngineError(f"engine timed out after {self.cfg.timeout_s} s (engine.timeout_s)",
                                   status=None, category="server") from None
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-                raise EngineError(f"engine connection broke while reading the response: {exc!s}",
+                raise EngineError(f"engine connection broke while reading the response: {mask_urls_in(str(exc))}",
                                   status=None, category="server") from None
             except aiohttp.ClientError as exc:
-                raise EngineError(f"engine request failed: {exc!s}", status=None, category="server") from None
+                raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None, category="server") from None
             if status < 400:
                 return data
             never_ran = status in NEVER_RAN_STATUSES
@@ -133,5 +135,7 @@ class EngineClient:
             msg = engine_error_message(status, data)
             # 408/429 come from a router's queue, not from a bad request; vLLM reports its own
             # NaN-serialization failure as a 400 although the request was fine (spec §4, §8.1).
-            user = 400 <= status < 500 and not never_ran and _NAN_MARK not in msg
+            # A 404 in FastAPI's own shape ({"detail": "Not Found"}) is a wrong engine path, ours.
+            wrong_path = status in (404, 405) and data[:11] == b'{"detail":"'
+            user = 400 <= status < 500 and not never_ran and _NAN_MARK not in msg and not wrong_path
             raise EngineError(msg, status=status, category="user" if user else "server", retryable=never_ran)

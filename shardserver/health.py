@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from .aio import cancel_and_wait
+from .config import engine_base_url, mask_url, mask_urls_in
 
 __all__ = ["EngineProbe", "readiness"]
 
@@ -42,7 +43,8 @@ class EngineProbe:
     """
 
     def __init__(self, url: str, interval_s: float, timeout_s: float, shard: int = 0) -> None:
-        self.url = url.rstrip("/") + "/health"
+        self.url = engine_base_url(url) + "/health"
+        self.display_url = mask_url(self.url)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.shard = shard
@@ -82,18 +84,18 @@ class EngineProbe:
                 status = resp.status
                 await resp.read()
             if status >= 500:
-                ok, reason = False, f"engine answered GET {self.url} with HTTP {status}"
+                ok, reason = False, f"engine answered GET {self.display_url} with HTTP {status}"
             else:
                 ok, reason = True, ""
         except asyncio.TimeoutError:
-            ok, reason = False, f"engine did not answer GET {self.url} within {self.timeout_s} s"
+            ok, reason = False, f"engine did not answer GET {self.display_url} within {self.timeout_s} s"
         except aiohttp.ClientError as exc:
-            ok, reason = False, f"cannot reach engine at {self.url}: {exc}"
+            ok, reason = False, f"cannot reach engine at {self.display_url}: {mask_urls_in(str(exc))}"
         except OSError as exc:
-            ok, reason = False, f"cannot reach engine at {self.url}: {exc}"
+            ok, reason = False, f"cannot reach engine at {self.display_url}: {mask_urls_in(str(exc))}"
         if ok != self.ok:
             if ok:
-                log.info("encoder %d: engine reachable (%s)", self.shard, self.url)
+                log.info("encoder %d: engine reachable (%s)", self.shard, self.display_url)
             else:
                 log.warning("encoder %d: engine unreachable: %s", self.shard, reason)
         self.ok, self.reason, self.checked_at = ok, reason, time.monotonic()

@@ -64,6 +64,11 @@ body = "router"
 first_token_id = 9011
 times = 1
 [[simulator.faults]]
+kind = "status"
+status = 404
+body = "detail"
+first_token_id = 9012
+[[simulator.faults]]
 kind = "nan"
 first_token_id = 9008
 [[simulator.faults]]
@@ -112,6 +117,7 @@ def _sample(fapi, first_token, max_tokens=6, seq_id=0):
     (9004, "server", "bad engine body"),
     (9006, "server", "engine timed out"),
     (9008, "server", "Out of range float values"),
+    (9012, "server", "HTTP 404: Not Found"),  # a wrong engine path is the gateway's problem, not the user's
 ])
 def test_engine_fault_fails_the_future_with_category(fapi, token, category, fragment):
     rid, st, h, body = _sample(fapi, token)

@@ -65,7 +65,7 @@ def test_ttls_and_long_poll():
 def test_engine_unreachable_answers_410_after_retries():
     """Connection refused: the request never reached the engine, so after engine.connect_retries
     the future answers 410 and the SDK resubmits (an engine restart does not fail the RL step)."""
-    env = {"SHARDSERVER_ENGINE__URL": "http://127.0.0.1:9", "SHARDSERVER_ENGINE__CONNECT_RETRIES": "1",
+    env = {"SHARDSERVER_ENGINE__URL": "http://bob:hunter2@127.0.0.1:9/v1", "SHARDSERVER_ENGINE__CONNECT_RETRIES": "1",
            "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_SHARDS__COUNT": "1",
            "SHARDSERVER_ENGINE__HEALTH_INTERVAL_S": "0.2"}
     with RunningServer(env=env) as s:
@@ -74,8 +74,13 @@ def test_engine_unreachable_answers_410_after_retries():
         assert st == 503 and json.loads(b)["engine_down"] == [0]
         rid = _sample(api, api.sampling_session(), [1], 0)
         st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
-        assert st == 410 and "cannot connect to engine" in json.loads(b)["error"]
+        err = json.loads(b)["error"]
+        assert st == 410 and "cannot connect to engine at http://***@127.0.0.1:9/v1/completions" in err
         assert s.stats()["shards"][0]["counters"]["engine_unavailable"] == 1
+        st, _, b = http_json(s.url + "/readyz")
+        assert b"hunter2" not in b
+    # Engine credentials appear nowhere: not in answers, not in the log.
+    assert not [line for line in s.log_lines if "hunter2" in line]
 
 
 async def _drive(url: str, jobs: list[tuple[list[int], int]], tokens: int, concurrency: int,
@@ -170,7 +175,7 @@ def test_full_arena_answers_429_and_keeps_undelivered_results():
                 "prompt": {"chunks": [{"tokens": [i, 5]}]}, "sampling_params": {"max_tokens": 32768, "seed": 1}})
             if st != 200:
                 status = st
-                assert h.get("retry-after") == "1" and "arena is full" in json.loads(b)["error"]
+                assert h.get("retry-after") == "1" and "has no free block" in json.loads(b)["error"]
                 break
             rids.append(json.loads(b)["request_id"])
         assert status == 429 and len(rids) == 3

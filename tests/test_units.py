@@ -63,6 +63,24 @@ def test_invalid_config_names_the_key(data, env, key):
     assert key in str(ei.value)
 
 
+@pytest.mark.parametrize("url", ["http://", "http://127.0.0.1:99999", "ftp://h", "http://h:8000/x?y=1", "h:8000"])
+def test_invalid_engine_urls(url):
+    with pytest.raises(ConfigError) as ei:
+        config_from_mapping({"engine": {"url": url}}, env={})
+    assert ei.value.key == "engine.url"
+
+
+def test_engine_url_helpers():
+    from shardserver.config import engine_base_url, mask_url, mask_urls_in
+
+    assert engine_base_url("http://h:8000/v1/") == "http://h:8000"
+    assert engine_base_url("http://h:8000/router") == "http://h:8000/router"
+    assert mask_url("http://bob:pw@h:1/v1") == "http://***@h:1/v1"
+    assert mask_urls_in("Cannot connect to host http://bob:pw@h:1/x ssl") == "Cannot connect to host http://***@h:1/x ssl"
+    shown = config_from_mapping({"engine": {"url": "http://bob:pw@h:1"}}, env={}).as_dict()
+    assert shown["engine"]["url"] == "http://***@h:1"
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load_config(tmp_path / "nope.toml", env={})

@@ -260,10 +260,24 @@ class ArenaWriter:
     def free(self, slot: Slot) -> None:
         """Invalidate the slot for readers and return its space to the free list."""
         struct.pack_into("<Q", self._mm, slot.offset, 0)
-        off, size = slot.offset, slot.capacity
         slot.generation = 0
-        self.used_bytes -= size
         self.live_slots -= 1
+        self._give_back(slot.offset, slot.capacity)
+
+    def shrink(self, slot: Slot, payload: int) -> None:
+        """Keep only room for ``payload`` bytes in a reserved (not yet committed) slot; the tail
+        goes back to the free list. Lets a request reserve its largest result up front and keep
+        just what the result needed.
+        """
+        keep = self.slot_bytes(payload)
+        if keep > slot.capacity:
+            raise ValueError(f"cannot grow a slot of {slot.capacity} bytes to {keep}")
+        if keep < slot.capacity:
+            self._give_back(slot.offset + keep, slot.capacity - keep)
+            slot.capacity = keep
+
+    def _give_back(self, off: int, size: int) -> None:
+        self.used_bytes -= size
         offs = self._free_offs
         i = bisect.bisect_left(offs, off)
         # Coalesce with the following block.

@@ -11,11 +11,12 @@ Life of a future in a shard::
                   │  └─ finish_reason abort ──> re-forward (engine.max_abort_resubmits) ──> GONE (410)
                   └─ engine 4xx ──> FAILED(user);  5xx / timeout / bad body ──> FAILED(server)
 
-Arena space is reserved at SUBMIT for the largest result the request can
-produce, so a completion always finds room; when the arena cannot hold the
-reservation, delivered results in their grace window are evicted oldest
-first, and if that is not enough the SUBMIT is refused (the front-end
-answers 429). Undelivered results are never evicted.
+A contiguous arena slot is reserved at SUBMIT for the largest result the
+request can produce; the completion is encoded into it and the unused tail
+is given back, so a completion always finds room. When no free block is
+large enough, delivered results in their grace window are evicted oldest
+first, and if that is not enough the SUBMIT is refused (the front-end answers
+429). Undelivered results are never evicted.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from typing import Any
 import numpy as np
 
 from ..codec import CompletionDecoder, encode_sample_response, sample_response_size, sample_response_to_json
-from ..config import Config
+from ..config import Config, mask_url
 from ..control import Kind, serve_control
 from ..engine_client import EngineClient
 from ..errors import EngineBodyError, EngineError
 from ..ids import IdSigner
-from ..metrics import EncoderTimers, ShardCounters, future_stages
+from ..metrics import EncoderTimers, ShardCounters
 from ..shm.arena import ArenaWriter, Slot
 
 __all__ = ["EncoderCore", "EncoderProc", "FutureEntry"]
@@ -57,7 +58,7 @@ class FutureEntry:
     state: str = PENDING
     created: float = 0.0
     deadline: float = 0.0
-    reserved: int = 0
+    reserve: Slot | None = None   # arena slot reserved at SUBMIT for the largest possible result
     slot: Slot | None = None
     json_slot: Slot | None = None
     error: str = ""
@@ -91,6 +92,8 @@ class EncoderCore:
         # Delivered results in delivery order: the eviction queue.
         self.delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.reserved_bytes = 0
+        self.state_counts: collections.Counter[str] = collections.Counter()
+        self.delivered_count = 0  # futures in the table that were delivered at least once
         self._heap: list[tuple[float, int, str]] = []
         self._heap_seq = 0
         self.counters: collections.Counter[str] = ShardCounters(shard)  # also feeds Prometheus
@@ -104,16 +107,28 @@ class EncoderCore:
         self._heap_seq += 1
         heapq.heappush(self._heap, (e.deadline, self._heap_seq, e.fid))
 
+    def _set_state(self, e: FutureEntry, state: str) -> None:
+        """Move a future (still in the table) to ``state``, keeping the per-state counts that
+        STATS reports (O(1) per scrape instead of a walk over every future)."""
+        if e.fid in self.table:
+            self.state_counts[e.state] -= 1
+            self.state_counts[state] += 1
+        e.state = state
+
     def _wake(self, e: FutureEntry) -> None:
         waiters, e.waiters = e.waiters, []
         for w in waiters:
             if not w.done():
                 w.set_result(None)
 
+    def _release_reserve(self, e: FutureEntry) -> None:
+        if e.reserve is not None:
+            self.reserved_bytes -= e.reserve.capacity
+            self.arena.free(e.reserve)
+            e.reserve = None
+
     def _release(self, e: FutureEntry) -> None:
-        if e.reserved:
-            self.reserved_bytes -= e.reserved
-            e.reserved = 0
+        self._release_reserve(e)
         for s in (e.slot, e.json_slot):
             if s is not None:
                 self.arena.free(s)
@@ -121,7 +136,9 @@ class EncoderCore:
 
     def _drop(self, e: FutureEntry) -> None:
         """Remove an entry entirely (expiry or eviction); later polls answer 410."""
-        self.table.pop(e.fid, None)
+        if self.table.pop(e.fid, None) is not None:
+            self.state_counts[e.state] -= 1
+            self.delivered_count -= e.delivered
         if e.key is not None and self.by_key.get(e.key) == e.fid:
             del self.by_key[e.key]
         self.delivered.pop(e.fid, None)
@@ -177,21 +194,28 @@ class EncoderCore:
             n, want_plp, topk = int(meta["n"]), bool(meta.get("prompt_logprobs")), int(meta.get("topk", 0))
         except (OverflowError, ValueError, TypeError) as exc:
             return {"status": 400, "message": f"invalid sample request: {exc}"}
-        need = ArenaWriter.slot_bytes(int(meta["reserve_bytes"]))
+        payload = int(meta["reserve_bytes"])
+        need = ArenaWriter.slot_bytes(payload)
         if need > self.arena.size:
             return {"status": 400, "message": (
                 f"the result of this request can reach {need} bytes, more than the shard's arena "
                 f"({self.arena.size} bytes, shards.arena_bytes); lower max_tokens or num_samples")}
-        size = self.arena.size
-        if not self._evict_delivered_until(lambda: self.arena.used_bytes + self.reserved_bytes + need <= size):
+        # Reserve a real, contiguous slot now: the completion writes into it and gives back the
+        # tail, so it can never fail for lack of (contiguous) space.
+        slot = self.arena.alloc(payload)
+        if slot is None and self._evict_delivered_until(lambda: self.arena.largest_free() >= need):
+            slot = self.arena.alloc(payload)
+        if slot is None:
             self.counters["rejected_429"] += 1
             return {"status": 429, "message": (
-                f"shard {self.shard} arena is full ({self.arena.used_bytes} bytes used, "
-                f"{self.reserved_bytes} reserved of {size}); retry later")}
+                f"shard {self.shard} arena has no free block of {need} bytes "
+                f"({self.arena.used_bytes - self.reserved_bytes} bytes of results, {self.reserved_bytes} reserved, "
+                f"{self.arena.size} in all); retry later")}
         fid = self.signer.mint_future_id(self.shard, self.cfg.shards.count, meta.get("owner", ""))
-        e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserved=need)
-        self.reserved_bytes += need
+        e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserve=slot)
+        self.reserved_bytes += slot.capacity
         self.table[fid] = e
+        self.state_counts[PENDING] += 1
         self.by_key[key] = fid
         self._set_deadline(e, self.cfg.futures.pending_ttl_s)
         e.task = asyncio.get_running_loop().create_task(
@@ -212,7 +236,7 @@ class EncoderCore:
                     self.timers.engine(time.perf_counter() - t_engine, False)
                     if exc.retryable:  # the engine never ran it: 410 makes the SDK resubmit
                         self.counters["engine_unavailable"] += 1
-                        self._gone(e, f"engine unavailable ({exc}); resubmit")
+                        self._gone(e, f"engine unavailable ({exc})")
                     else:
                         self._fail(e, str(exc), exc.category)
                     return
@@ -247,15 +271,24 @@ class EncoderCore:
 
     def _store(self, e: FutureEntry, dc) -> None:
         size = sample_response_size(dc)
-        self.reserved_bytes -= e.reserved
-        e.reserved = 0
-        slot = self.arena.alloc(size)
-        if slot is None and self._evict_delivered_until(lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(size)):
+        slot = e.reserve
+        if slot is not None and ArenaWriter.slot_bytes(size) <= slot.capacity:
+            self.reserved_bytes -= slot.capacity
+            e.reserve = None
+            self.arena.shrink(slot, size)
+        else:
+            # Larger than its reservation (an engine that returned more than max_tokens, e.g. a
+            # speculative-decoding step past the limit): find other room, else 410 (resubmit).
+            self._release_reserve(e)
             slot = self.arena.alloc(size)
-        if slot is None:
-            self.counters["arena_fragmented"] += 1
-            self._fail(e, f"no contiguous arena space for a {size}-byte result (shard {self.shard})", "server")
-            return
+            if slot is None and self._evict_delivered_until(
+                    lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(size)):
+                slot = self.arena.alloc(size)
+            if slot is None:
+                self.counters["arena_overflow"] += 1
+                self._gone(e, f"its {size}-byte result exceeded the request's arena reservation and shard "
+                              f"{self.shard} has no room for it")
+                return
         n = encode_sample_response(dc, self.arena.payload(slot, size), 0)
         if n != size:
             self.arena.free(slot)
@@ -263,7 +296,7 @@ class EncoderCore:
             return
         self.arena.commit(slot, size)
         e.slot = slot
-        e.state = DONE
+        self._set_state(e, DONE)
         self.counters["completed"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)
         self._wake(e)
@@ -272,14 +305,16 @@ class EncoderCore:
         if e.state != PENDING:
             return
         self._release(e)
-        e.state, e.error, e.category = FAILED, msg, category
+        self._set_state(e, FAILED)
+        e.error, e.category = msg, category
         self.counters[f"failed_{category}"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)
         self._wake(e)
 
     def _gone(self, e: FutureEntry, reason: str) -> None:
         self._release(e)
-        e.state, e.gone_reason = GONE, reason
+        self._set_state(e, GONE)
+        e.gone_reason = reason
         self.counters["gone"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)
         self._wake(e)
@@ -338,6 +373,7 @@ class EncoderCore:
             return
         if not e.delivered:
             e.delivered = True
+            self.delivered_count += 1
             self.counters["delivered"] += 1
         if e.state == DONE:
             self.delivered[fid] = None
@@ -361,19 +397,26 @@ class EncoderCore:
             n += 1
         return n
 
+    def stages(self) -> dict[str, int]:
+        """Futures by stage for the ``shardserver_futures`` gauge, from counts kept as states change
+        (see :func:`shardserver.metrics.future_stages` for the definitions)."""
+        sc = self.state_counts
+        return {"pending": sc[PENDING], "completed": sc[DONE] + sc[FAILED] - self.delivered_count,
+                "retrieved": self.delivered_count, "gone": sc[GONE]}
+
     def stats(self) -> dict[str, Any]:
-        states = collections.Counter(e.state for e in self.table.values())
+        states = {k: v for k, v in self.state_counts.items() if v}
         return {
             "shard": self.shard,
             "pid": os.getpid(),
-            "futures": dict(states),
+            "futures": states,
             "delivered_held": len(self.delivered),
             "arena_bytes": self.arena.size,
-            "arena_used_bytes": self.arena.used_bytes,
+            "arena_used_bytes": self.arena.used_bytes - self.reserved_bytes,  # results (proto + JSON)
             "arena_reserved_bytes": self.reserved_bytes,
             "decode_encode_s": self.decode_encode_s,
             "counters": dict(self.counters),
-            "stages": future_stages(self.table.values()),
+            "stages": self.stages(),
             "engine": self.engine_probe.state() if self.engine_probe is not None else None,
         }
 
@@ -436,7 +479,8 @@ class EncoderProc:
         server = await serve_control(sock_path, core.handle)
         ready_conn.send(("ready", shard, os.getpid()))
         ready_conn.close()
-        log.info("encoder %d ready: arena %s (%d bytes), engine %s", shard, arena_name, arena.size, engine_url)
+        log.info("encoder %d ready: arena %s (%d bytes), engine %s", shard, arena_name, arena.size,
+                 mask_url(engine_url))
 
         async def sweeper() -> None:
             while True:

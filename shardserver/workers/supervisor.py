@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..auth import load_key_table
-from ..config import Config
+from ..config import Config, mask_url
 from ..multiproc import mark_dead, prepare_multiproc_dir
 from ..shm.arena import create_segment, pid_alive, remove_stale_segments, segment_name, unlink_segment
 
@@ -247,7 +247,7 @@ class Supervisor:
             for f, c in zip(self.front_ends, fconns):
                 self._wait_ready(f, c)
             log.info("shardserver %s listening on http://%s:%d (%d encoders, %d front-ends, engine %s)",
-                     self.run_id, host, port, cfg.shards.count, cfg.server.front_ends, self.engine_url)
+                     self.run_id, host, port, cfg.shards.count, cfg.server.front_ends, mask_url(self.engine_url))
             if self.on_ready is not None:
                 self.on_ready(host, port)
             self._supervise()
@@ -292,6 +292,8 @@ class Supervisor:
 
     def _restart(self, child: ChildSpec) -> None:
         code = child.proc.exitcode
+        # A /tmp cleaner may have removed the run directory (sockets, metrics files): recreate it.
+        os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)
         child.restarts += 1
         mark_dead(child.proc.pid)
         from ..metrics import count_worker_restart

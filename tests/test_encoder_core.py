@@ -1,0 +1,130 @@
+"""EncoderCore in-process (no sockets): reservations, eviction, stage counts, TTL sweep.
+
+The engine is a stand-in object whose ``post`` returns the simulator's body for the request,
+so the shard's bookkeeping can be checked step by step against exact arena numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+
+import pytest
+
+from shardserver.config import config_from_mapping
+from shardserver.engine_sim import SimConfig, render_completion
+from shardserver.ids import IdSigner
+from shardserver.metrics import future_stages
+from shardserver.shm.arena import ArenaWriter, create_segment, segment_name, unlink_segment
+from shardserver.workers.encoder import EncoderCore
+
+SIM = SimConfig.from_mapping({"model_name": "m"})
+
+
+class SimEngine:
+    """``post(body, headers)`` like EngineClient, answered by the simulator in-process."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.gate: asyncio.Event | None = None
+
+    async def post(self, body: bytes, headers: dict[str, str]) -> bytes:
+        self.calls += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        return render_completion(json.loads(body), SIM)
+
+
+@pytest.fixture
+def core():
+    name = segment_name(os.getpid(), "c0ffee00", random.randrange(10**6), 0)
+    create_segment(name, 1 << 20)
+    arena = ArenaWriter(name)
+    cfg = config_from_mapping({"shards": {"count": 1}}, env={})
+    c = EncoderCore(cfg, 0, arena, SimEngine(), IdSigner(b"k", "0badcafe"))
+    yield c
+    arena.close()
+    unlink_segment(name)
+
+
+def _meta(seq: int, max_tokens: int, n: int = 1) -> tuple[dict, bytes]:
+    body = {"model": "m", "prompt": [seq % 50, 7], "n": n, "max_tokens": max_tokens, "temperature": 1.0,
+            "top_p": 1.0, "top_k": -1, "logprobs": 1, "return_token_ids": True, "seed": seq}
+    meta = {"sid": "s", "seq": seq, "owner": "", "n": n, "prompt_logprobs": False, "topk": 0,
+            "reserve_bytes": n * (8 * max_tokens + 32) + 32}
+    return meta, json.dumps(body).encode()
+
+
+def _check_stages(c: EncoderCore) -> None:
+    assert c.stages() == future_stages(c.table.values())
+    assert sum(c.state_counts.values()) == len(c.table)
+
+
+def test_reserve_then_shrink_keeps_exact_bytes(core):
+    async def go():
+        meta, body = _meta(1, 1000)
+        rid = core.submit(meta, body)["request_id"]
+        reserved = ArenaWriter.slot_bytes(8 * 1000 + 64)
+        assert core.reserved_bytes == reserved and core.arena.used_bytes == reserved
+        _check_stages(core)
+        await asyncio.sleep(0.05)
+        e = core.table[rid]
+        assert e.state == "done" and e.reserve is None and core.reserved_bytes == 0
+        # The slot shrank to the result: 1000 tokens x (4 + 4) bytes + framing.
+        assert core.arena.used_bytes == ArenaWriter.slot_bytes(e.slot.length) and 8000 < e.slot.length < 8032
+        _check_stages(core)
+
+    asyncio.run(go())
+
+
+def test_fragmented_arena_never_fails_an_accepted_request(core):
+    """Delivered results retrieved out of order leave holes; a request is only accepted with a
+    contiguous reservation, so its completion always fits (the 2nd review's repro)."""
+    async def go():
+        rids = []
+        for i in range(4):  # 4 x ~240 KB in a 1 MiB arena
+            meta, body = _meta(i, 30000)
+            rids.append(core.submit(meta, body)["request_id"])
+        await asyncio.sleep(0.3)
+        assert [core.table[r].state for r in rids] == ["done"] * 4
+        core.delivered_ok(rids[0])
+        core.delivered_ok(rids[2])
+        _check_stages(core)
+        meta, body = _meta(10, 30000, n=2)  # ~480 KB: needs two adjacent holes, which do not exist
+        reply = core.submit(meta, body)
+        assert reply["status"] == 429 and "no free block" in reply["message"]
+        assert core.counters["evicted"] == 2  # both delivered ones went; undelivered B and D stay
+        assert core.table[rids[1]].state == core.table[rids[3]].state == "done"
+        meta, body = _meta(11, 30000)  # a ~240 KB request fits in a freed hole
+        rid = core.submit(meta, body)["request_id"]
+        await asyncio.sleep(0.3)
+        assert core.table[rid].state == "done"
+        assert core.counters.get("failed_server", 0) == 0
+        _check_stages(core)
+
+    asyncio.run(go())
+
+
+def test_sweep_drops_expired_and_counts_stay_consistent(core):
+    async def go():
+        core.engine.gate = asyncio.Event()
+        pending_meta, body = _meta(20, 10)
+        pending = core.submit(pending_meta, body)["request_id"]
+        core.engine.gate.set()
+        await asyncio.sleep(0.05)
+        meta, body = _meta(21, 10)
+        done = core.submit(meta, body)["request_id"]
+        await asyncio.sleep(0.05)
+        core.delivered_ok(done)
+        _check_stages(core)
+        import time
+
+        assert core.sweep(time.monotonic() + core.cfg.futures.retrieved_ttl_s + 1) == 1  # the delivered one
+        assert done not in core.table and pending in core.table
+        assert core.sweep(time.monotonic() + core.cfg.futures.completed_ttl_s + 1) == 1
+        assert core.table == {} and core.arena.used_bytes == 0 and core.reserved_bytes == 0
+        _check_stages(core)
+
+    asyncio.run(go())
