@@ -242,6 +242,8 @@ async def serve_control(path: str, handler: Handler) -> asyncio.AbstractServer:
                 t.add_done_callback(tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
             pass
+        except asyncio.CancelledError:
+            pass  # the encoder is stopping: end this connection quietly
         finally:
             for t in list(tasks):
                 t.cancel()

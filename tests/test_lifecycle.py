@@ -244,3 +244,19 @@ def test_crash_looping_encoder_restarts_with_backoff():
     held = [line for line in s.log_lines if "times in a row): restarting in" in line]
     assert any("restarting in 0.5 s" in line for line in held), held
     assert any("restarting in 1.0 s" in line for line in held), held
+
+
+def test_ctrl_c_to_the_process_group_shuts_down_in_order():
+    """Ctrl-C in a terminal sends SIGINT to every process of the group: only the supervisor acts
+    on it, stopping front-ends before encoders; no tracebacks, nothing left."""
+    s = RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "2"}).__enter__()
+    try:
+        pid = s.proc.pid
+        os.killpg(pid, signal.SIGINT)
+        assert s.proc.wait(15) == 0
+    finally:
+        s.stop()
+    log = "\n".join(s.log_lines)
+    assert "Traceback" not in log
+    assert log.index("[shutdown] supervisor: stopping front-ends") < log.index("encoder 0 stopped")
+    assert _segments_of(pid) == [] and not s.leftover_processes

@@ -461,8 +461,10 @@ class EncoderProc:
                     secret: bytes, run_id: str, ready_conn, parent_pid: int) -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        # SIGINT (Ctrl-C reaches the whole process group) is the supervisor's to handle: it stops
+        # the front-ends first, then sends SIGTERM here.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
         arena = ArenaWriter(arena_name)
         engine = EngineClient(cfg.engine, engine_url)
         await engine.start()

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -456,6 +457,8 @@ class DrainingServer(uvicorn.Server):
         self._ctx = ctx
 
     def handle_exit(self, sig, frame) -> None:  # runs in the signal handler: only schedule work
+        if sig == signal.SIGINT:
+            return  # Ctrl-C reaches the whole process group: the supervisor decides (it sends SIGTERM)
         super().handle_exit(sig, frame)
         try:
             asyncio.get_running_loop().call_soon_threadsafe(self._ctx.drain)

@@ -15,7 +15,7 @@ log = logging.getLogger("shardserver.engine_sim")
 
 
 async def serve_sim_on_socket(sock: socket.socket, sim_cfg: dict[str, Any], parent_pid: int | None = None) -> None:
-    """Serve the simulator on an already-bound socket until SIGTERM/SIGINT (or the parent dies)."""
+    """Serve the simulator on an already-bound socket until SIGTERM (or the parent dies)."""
     from aiohttp import web
 
     from ..engine_sim import SimConfig, make_app
@@ -27,8 +27,8 @@ async def serve_sim_on_socket(sock: socket.socket, sim_cfg: dict[str, Any], pare
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's; it sends SIGTERM
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
         while not stop.is_set():
             try:
