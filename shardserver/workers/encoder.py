@@ -289,7 +289,11 @@ class EncoderCore:
                 self._gone(e, f"its {size}-byte result exceeded the request's arena reservation and shard "
                               f"{self.shard} has no room for it")
                 return
-        n = encode_sample_response(dc, self.arena.payload(slot, size), 0)
+        try:
+            n = encode_sample_response(dc, self.arena.payload(slot, size), 0)
+        except Exception:
+            self.arena.free(slot)  # the caller fails the future; the slot must not leak
+            raise
         if n != size:
             self.arena.free(slot)
             self._fail(e, f"internal error: encoder wrote {n} bytes, expected {size}", "server")
