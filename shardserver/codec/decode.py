@@ -219,10 +219,18 @@ class CompletionDecoder:
     # -- internals ---------------------------------------------------------------------------
 
     def _parse(self, body: bytes):
+        """Parse ``body``; simdjson's errors (ValueError, UnicodeDecodeError, RuntimeError) propagate.
+
+        pysimdjson raises RuntimeError both for a parser that is still referenced by live
+        proxies of an earlier document (then a fresh parser is used) and for some document
+        errors (DEPTH_ERROR, BIGINT_ERROR), which the caller reports as not-JSON (those
+        also replace the parser, which is harmless).
+        """
         try:
             return self._parser.parse(body)
         except RuntimeError:
-            # Some proxy from an earlier document is still alive somewhere; use a fresh parser.
+            # Either a proxy from an earlier document is still alive somewhere, or a document
+            # error: retry once with a fresh parser, which re-raises the document error.
             self._parser = simdjson.Parser()
             return self._parser.parse(body)
 
@@ -238,7 +246,9 @@ class CompletionDecoder:
             raise EngineBodyError("$", "empty body (HTTP 2xx with no JSON)")
         try:
             doc = self._parse(body)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RuntimeError) as e:
+            # RuntimeError: simdjson's DEPTH_ERROR (nesting beyond 1024) and BIGINT_ERROR
+            # (an integer beyond 64 bits, e.g. 2**70), which pysimdjson maps to RuntimeError.
             raise _fail_not_json(body, e) from None
 
         if not isinstance(doc, _Object):
@@ -279,7 +289,9 @@ class CompletionDecoder:
         where0 = f"choices[{c0pos}]"
 
         # Prompt token ids: the body's copy (choice with index 0) or the caller's.
-        body_pids = _int_array(choice0.get("prompt_token_ids"), f"{where0}.prompt_token_ids", allow_null=True)
+        body_pids = _int_array(
+            choice0.get("prompt_token_ids"), f"{where0}.prompt_token_ids", allow_null=True
+        )
         arg_pids = None
         if prompt_ids_arg is not None:
             arg_pids = np.asarray(prompt_ids_arg)
@@ -296,14 +308,22 @@ class CompletionDecoder:
 
         out = DecodedCompletion(choices=decoded)
         if want_plp or k > 0:
+            # The byte-level fast path locates choices[0]'s prompt_logprobs in the raw bytes; it
+            # needs choice 0 first and no duplicate keys (get() returns the first of duplicates).
+            fast_ok = c0pos == 0 and _key_once(doc, "choices") and _key_once(choice0, "prompt_logprobs")
             _decode_prompt_logprobs(
-                choice0.get("prompt_logprobs"), pids, where0, aborted, want_plp, k, out, body if c0pos == 0 else None
+                choice0.get("prompt_logprobs"), pids, where0, aborted, want_plp, k, out, body if fast_ok else None
             )
 
         usage = doc.get("usage")
         if usage is not None:
             out.prompt_cache_hit_tokens = _cached_tokens(usage)
         return out
+
+
+def _key_once(obj, key: str) -> bool:
+    """Whether ``obj`` (a simdjson Object) has ``key`` exactly once (keys compared decoded)."""
+    return sum(1 for k in obj.keys() if k == key) == 1
 
 
 def _check_error_envelope(doc) -> None:
@@ -358,7 +378,7 @@ def _int_array(arr, where: str, *, allow_null: bool) -> np.ndarray | None:
     except (TypeError, ValueError):
         _diagnose_int_array(arr.as_list(), where)
         raise EngineBodyError(where, "expected an array of ints") from None  # pragma: no cover
-    if a.size != n:  # as_buffer flattens nested arrays
+    if a.size != n or _has_nested(arr, n):  # as_buffer flattens nested arrays
         raise EngineBodyError(where, "expected a flat array of ints, found nested arrays")
     if n and (int(a.min()) < 0 or int(a.max()) > _INT32_MAX):
         j = int(np.flatnonzero((a < 0) | (a > _INT32_MAX))[0])
@@ -372,6 +392,18 @@ def _diagnose_int_array(items: list, where: str) -> None:
             raise EngineBodyError(f"{where}[{j}]", f"expected an int token id, got {_type_name(v)} {v!r}")
         if not 0 <= v <= _INT32_MAX:
             raise EngineBodyError(f"{where}[{j}]", f"token id {v} outside [0, 2^31)")
+
+
+def _has_nested(arr, n: int) -> bool:
+    """Whether a numbers array visibly holds arrays: its first or last element is one.
+
+    ``as_buffer`` flattens nested arrays; the caller's size check catches every nesting that
+    changes the number count, and this O(1) look at both ends catches ``[[5],[6],[7]]`` and
+    ``[[5,6],[]]``. An array nested only in its middle with an unchanged count would still be
+    flattened: no engine emits that, and an exact check costs a Python object per element
+    (about 1 ms per 32k-token array) on every body.
+    """
+    return n > 0 and (isinstance(arr[0], _Array) or isinstance(arr[n - 1], _Array))
 
 
 def _float_array(arr, where: str) -> np.ndarray:
@@ -392,7 +424,7 @@ def _float_array(arr, where: str) -> np.ndarray:
             if type(v) not in _NUMBER:
                 raise EngineBodyError(f"{where}[{j}]", f"expected a number, got {_type_name(v)} {v!r}") from None
         raise EngineBodyError(where, "expected a flat array of numbers") from None
-    if a.size != n:
+    if a.size != n or _has_nested(arr, n):
         raise EngineBodyError(where, "expected a flat array of numbers, found nested arrays")
     with np.errstate(over="ignore"):  # beyond float32 -> inf, reported below
         f = a.astype(np.float32)

@@ -55,9 +55,14 @@ Locating the array: the first ``"prompt_logprobs":[`` in the body (preceded by `
 ``{``, so it is a real key), which is choice 0's when choice 0 is the first choice and
 the body has the 0.30/0.11 layout (top-level ``choices`` before any other nested
 field, ``prompt_logprobs`` right before ``prompt_token_ids``); the caller only uses this
-path when choice 0 is ``choices[0]``, and the cross-check above catches a foreign match.
-The end is the first ``],"prompt_token_ids":[`` after it (the bytes up to that marker
-are then validated as above, so a shorter or longer span cannot pass).
+path when choice 0 is ``choices[0]``, the top-level object has one ``choices`` key and
+choice 0 one ``prompt_logprobs`` key. That the match really is a key of ``choices[0]``
+(and not of some earlier object: an unknown top-level field, or a field nested in choice
+0's ``logprobs``) is proven from the bytes before it (``_check_owner``): outside strings
+(structural quotes as above), the bracket depth there is 3, and the innermost open
+object is the first element of the top-level ``"choices":[``. The cross-check above is a
+last guard on top. The end is the first ``],"prompt_token_ids":[`` after it (the bytes
+up to that marker are then validated as above, so a shorter or longer span cannot pass).
 """
 
 from __future__ import annotations
@@ -103,6 +108,12 @@ _EIGHTS = np.arange(0, 32, 8, dtype=np.intp)
 _MASK2, _MASK4 = np.uint64(0xFFFF), np.uint64(0xFFFFFFFF)
 
 _QUOTE, _BSLASH = 34, 92
+
+# Bracket bytes and their depth change: '[' '{' open, ']' '}' close.
+_DEPTH_STEP = np.zeros(256, dtype=np.int32)
+_DEPTH_STEP[[0x5B, 0x7B]] = 1
+_DEPTH_STEP[[0x5D, 0x7D]] = -1
+_CHOICES_KEY = b'"choices":['
 
 _local = threading.local()
 
@@ -159,7 +170,7 @@ def structural_quotes(R: np.ndarray) -> np.ndarray:
     A quote is escaped iff it is preceded by an odd number of consecutive backslashes.
     """
     q = np.flatnonzero(R == _QUOTE)
-    cand = np.flatnonzero(R[q - 1] == _BSLASH)  # q >= 1 here: R[0] is '['
+    cand = np.flatnonzero(R[q - 1] == _BSLASH)  # q >= 1 here: R[0] is '[' (or the body's '{', BOM, whitespace)
     if cand.size:
         pos = q[cand]
         run = np.ones(cand.size, dtype=np.intp)
@@ -186,6 +197,7 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
     j = body.find(_START)
     if j <= 0 or body[j - 1] not in b",{":
         _fail("no prompt_logprobs key")
+    _check_owner(body, j)
     s = j + len(_START) - 1  # the '['
     e = _find_end(body, s)
     N = e + 1 - s
@@ -276,6 +288,46 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
     _cross_check(pl, pids, L, starts, counts, ids64, lp64)
     nn = np.arange(1, L, dtype=np.intp)
     return nn, own64, counts.astype(np.intp), ids64, lp64
+
+
+def _check_owner(body: bytes, j: int) -> None:
+    """Fall back unless the key at ``j`` is a key of the top-level ``choices`` array's first object.
+
+    ``body[:j]`` ends outside any string (``body[j]`` is a structural quote). Over it, the
+    brackets outside strings must leave depth 3 (top-level object, ``choices`` array, choice
+    object), and the innermost object still open must be the first element of the array
+    opened right after the top-level key ``"choices":`` (compact ``"choices":[{``).
+    """
+    B = np.frombuffer(body, dtype=np.uint8, count=j)
+    if B[0] == _QUOTE:
+        _fail("body starts with a string")  # not an object; structural_quotes needs B[0] != '"'
+    sq = structural_quotes(B)
+    if sq.size % 2:
+        _fail("key inside a string?")  # cannot happen in valid JSON
+    low = B | np.uint8(0x20)  # '[' -> '{', ']' -> '}'
+    br = np.flatnonzero((low == 0x7B) | (low == 0x7D))
+    br = br[(np.searchsorted(sq, br) & 1) == 0]  # an odd number of quotes before: inside a string
+    step = _DEPTH_STEP[B[br]]
+    depth = np.cumsum(step)
+    if depth.size < 3 or depth[-1] != 3:
+        _fail("prompt_logprobs key not at choice depth")
+    # The innermost open object: the last bracket that opened depth 3 (depth never fell below
+    # 3 after it, else a later one would have reopened it).
+    o_i = int(np.flatnonzero((step == 1) & (depth == 3))[-1])
+    o = int(br[o_i])
+    if not (
+        B[o] == 0x7B
+        and o_i >= 1
+        and int(br[o_i - 1]) == o - 1
+        and depth[o_i - 1] == 2  # the '[' at o-1 opened depth 2: a value of the top-level object
+        and body[max(o - len(_CHOICES_KEY), 0) : o] == _CHOICES_KEY
+    ):
+        _fail("prompt_logprobs key is not in choices[0]")
+    # The '"' opening "choices" must be structural (then the 8 bytes are the key "choices").
+    kq = o - len(_CHOICES_KEY)
+    i = int(np.searchsorted(sq, kq))
+    if i >= sq.size or int(sq[i]) != kq:
+        _fail("choices key is not structural")
 
 
 def _find_end(body: bytes, s: int) -> int:
