@@ -89,9 +89,9 @@ SUBMITS_REJECTED = Counter("shardserver_submits_rejected",
                            ["shard"], registry=REGISTRY)
 ENGINE_ABORTS = Counter("shardserver_engine_aborts", "Engine answers with finish_reason abort (re-forwarded).",
                         ["shard"], registry=REGISTRY)
-ARENA_FRAGMENTED = Counter("shardserver_arena_fragmented",
-                           "Results failed because no contiguous arena block was large enough.",
-                           ["shard"], registry=REGISTRY)
+ARENA_OVERFLOW = Counter("shardserver_arena_overflow",
+                         "Results larger than their request's arena reservation with no other room (410).",
+                         ["shard"], registry=REGISTRY)
 ENCODER_EVENTS = Counter("shardserver_encoder_events", "Other encoder counters, by name.",
                          ["shard", "event"], registry=REGISTRY)
 ENGINE_LATENCY = Histogram(
@@ -150,7 +150,7 @@ _SHARD_COUNTER_MAP: dict[str, tuple[Counter, dict[str, str]]] = {
     "deduplicated": (SUBMITS_DEDUPLICATED, {}),
     "rejected_429": (SUBMITS_REJECTED, {}),
     "engine_aborts": (ENGINE_ABORTS, {}),
-    "arena_fragmented": (ARENA_FRAGMENTED, {}),
+    "arena_overflow": (ARENA_OVERFLOW, {}),
 }
 
 
