@@ -98,11 +98,10 @@ def run_demo(config_path: str = "configs/demo.toml", samples: int = 256, tokens:
             c = shards[s].get("counters", {})
             print(f"  encoder {s} (pid {shards[s].get('pid')}): {c.get('completed', 0)} completed, "
                   f"{shards[s].get('decode_encode_s', 0.0) * 1000 / max(c.get('completed', 1), 1):.2f} ms "
-                  f"decode+encode per result, arena {shards[s].get('arena_used_bytes', 0)} bytes in use")
-        try:
-            service.holder.close() if hasattr(service, "holder") else None
-        except Exception:
-            pass
+                  f"decode+encode per result (wall time, includes waits for the CPU), arena {shards[s].get('arena_used_bytes', 0)} bytes in use")
+        close = getattr(service, "close", None)  # SDK >= 0.28: sends sessions/{id}/finish
+        if close is not None:
+            close("success").result(30)
     leftover_procs, leftover_shm = leftovers_of_started_servers()
     clean = not leftover_shm and not leftover_procs and not server.leftover_processes
     print(f"server stopped (exit code {server.proc.returncode if server.proc else None}); "
