@@ -17,6 +17,10 @@ from shardserver.testing import RunningServer, http_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
+# One shard, one front-end, a 1 MiB arena: four 32k-token results fill it.
+TINY_ONE_SHARD = {"SHARDSERVER_SHARDS__ARENA_BYTES": str(1 << 20), "SHARDSERVER_SHARDS__COUNT": "1",
+                  "SHARDSERVER_SERVER__FRONT_ENDS": "1"}
+
 
 def _sample(api: Api, ssid: str, tokens: list[int], seq_id: int, max_tokens: int = 4) -> str:
     return api.submit(ssid, tokens, seq_id, max_tokens)
@@ -163,9 +167,7 @@ def test_small_arena_reuse_under_concurrent_streaming():
 
 
 def test_full_arena_answers_429_and_keeps_undelivered_results():
-    env = {"SHARDSERVER_SHARDS__ARENA_BYTES": str(1 << 20), "SHARDSERVER_SHARDS__COUNT": "1",
-           "SHARDSERVER_SERVER__FRONT_ENDS": "1"}
-    with RunningServer(env=env) as s:
+    with RunningServer(env=TINY_ONE_SHARD) as s:
         api = Api(s.url)
         ssid = api.sampling_session()
         rids, status = [], 200
@@ -200,8 +202,7 @@ def test_sdk_backs_off_on_429_and_completes():
     import tinker
     from tinker import types
 
-    env = {"SHARDSERVER_SHARDS__ARENA_BYTES": str(1 << 20), "SHARDSERVER_SHARDS__COUNT": "1",
-           "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_FUTURES__RETRIEVED_TTL_S": "0.2"}
+    env = {**TINY_ONE_SHARD, "SHARDSERVER_FUTURES__RETRIEVED_TTL_S": "0.2"}
     with RunningServer(env=env) as s:
         sampler = tinker.ServiceClient(base_url=s.url, api_key="tml-t").create_sampling_client(
             base_model=BASE_MODEL).result(60)
@@ -220,9 +221,7 @@ def test_sdk_backs_off_on_429_and_completes():
 
 def test_json_poll_of_a_delivered_result_in_a_full_arena_does_not_leak():
     """Caching the JSON form may evict other delivered results, never the one being answered."""
-    env = {"SHARDSERVER_SHARDS__ARENA_BYTES": str(1 << 20), "SHARDSERVER_SHARDS__COUNT": "1",
-           "SHARDSERVER_SERVER__FRONT_ENDS": "1"}
-    with RunningServer(env=env) as s:
+    with RunningServer(env=TINY_ONE_SHARD) as s:
         api = Api(s.url)
         ssid = api.sampling_session()
         rid = api.submit(ssid, [1, 2], 0, max_tokens=32768)
