@@ -1,0 +1,72 @@
+"""What every handler shares: the JSON body under a size limit, and error answers.
+
+Two ways a request is refused, kept apart because they answer differently:
+
+* :class:`BodyError` (body too large: 413; not JSON: 400) and pydantic's ``ValidationError``
+  (a body that does not fit the request model: 400) are raised and turned into answers by
+  the exception handlers of :mod:`shardserver.api.app`, which count them (``http_<status>``
+  in ``/stats``) and add the ``X-Shardserver-Front-End`` header.
+* :func:`error` builds the ``{"error": message}`` answer a handler returns itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from .state import context
+
+__all__ = ["BodyError", "error", "read_json", "validation_message"]
+
+
+class BodyError(Exception):
+    """The request body cannot be read: ``status`` 413 (too large) or 400 (not JSON)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status, self.message = status, message
+
+
+def error(status: int, message: str, **extra: Any) -> JSONResponse:
+    """``{"error": message, **extra}`` with HTTP ``status``."""
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+def validation_message(exc: ValidationError) -> str:
+    """The first 5 problems of ``exc`` as ``loc: msg`` (``+N more`` for the rest)."""
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        parts.append(f"{loc}: {err.get('msg')}")
+    more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+    return "invalid request body: " + "; ".join(parts) + more
+
+
+async def read_json(request: Request) -> Any:
+    """The request body parsed as JSON (``{}`` when empty).
+
+    Raises:
+        BodyError: 413 when the body exceeds ``server.max_request_bytes`` (by Content-Length, or
+            counted while receiving a chunked upload, which is cut off at the limit); 400 when it
+            is not valid JSON.
+    """
+    max_body = context(request).cfg.server.max_request_bytes
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > max_body:
+        raise BodyError(413, f"request body of {cl} bytes exceeds server.max_request_bytes={max_body}")
+    # Count while receiving: a chunked upload without Content-Length is cut off at the limit.
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body:
+            raise BodyError(413, f"request body exceeds server.max_request_bytes={max_body} bytes")
+        parts.append(chunk)
+    body = b"".join(parts)
+    try:
+        return json.loads(body) if body else {}
+    except ValueError as exc:
+        raise BodyError(400, f"request body is not valid JSON: {exc}") from None

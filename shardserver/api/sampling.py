@@ -1,0 +1,275 @@
+"""Sampling endpoints: ``asample`` submits to the owning shard, ``retrieve_future`` long-polls it.
+
+``asample`` validates the request, flattens the prompt to token ids, computes the largest
+``SampleResponse`` the request can produce (the arena reservation), builds the vLLM
+``/v1/completions`` body and sends both to the shard that ``(sampling_session_id, seq_id)``
+hashes to (:func:`shardserver.ids.shard_of`), which dedupes resubmissions and mints the
+future ID. ``retrieve_future`` asks the shard the future ID hashes to and copies a finished
+result straight out of that shard's arena into the response (:class:`ResultResponse`):
+protobuf when ``Accept`` names :data:`PROTO_MEDIA_TYPE`, else JSON. The answers are listed
+in README's ``retrieve_future`` table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..api_models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
+from ..auth import owner_of
+from ..codec import sample_response_to_json
+from ..config import EngineConfig
+from ..control import Kind
+from ..errors import EncoderDeadError, SlotInvalidError
+from ..ids import FutureIdStatus, shard_of
+from .common import error, read_json
+from .state import FrontendContext, context
+
+__all__ = ["router", "PROTO_MEDIA_TYPE", "ResultResponse", "asample", "retrieve_future"]
+
+log = logging.getLogger("shardserver.frontend")
+
+PROTO_MEDIA_TYPE = "application/x-protobuf"
+
+router = APIRouter()
+
+
+class ResultResponse(Response):
+    """A finished result's bytes; reports delivery only if the client was still connected after the write."""
+
+    def __init__(self, content: bytes, media_type: str, on_delivered, headers: dict[str, str]) -> None:
+        super().__init__(content=content, media_type=media_type, headers=headers)
+        self._on_delivered = on_delivered
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        # The request body was read already, so a pending receive() completes only on disconnect
+        # (or, in uvicorn, once the response is complete): look before writing.
+        watch = asyncio.ensure_future(receive())
+        try:
+            await asyncio.sleep(0)
+            lost = watch.done()
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.body})
+        finally:
+            watch.cancel()
+        if not lost:
+            self._on_delivered()
+
+
+class _Refused(Exception):
+    """``asample`` refuses the request: answered ``status`` ``{"error": message}`` by :func:`error`."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status, self.message = status, message
+
+
+def _prompt_tokens(req: SampleRequest) -> list[int]:
+    """The prompt's token ids, every chunk concatenated.
+
+    Raises:
+        _Refused: 400 for a field of :data:`UNSUPPORTED_SAMPLE_FIELDS` that is set, a chunk
+            that is not ``encoded_text``, a token id outside [0, 2^31), or no tokens at all.
+        ValidationError: a chunk that is not an ``EncodedTextChunk`` (the app answers 400).
+    """
+    for name in UNSUPPORTED_SAMPLE_FIELDS:
+        v = getattr(req, name)
+        if v not in (None, 0):
+            raise _Refused(400, f"{name} is not supported by this gateway")
+    tokens: list[int] = []
+    for i, chunk in enumerate(req.prompt.chunks):
+        ctype = chunk.get("type", "encoded_text")
+        if ctype != "encoded_text":
+            raise _Refused(400, f"prompt.chunks[{i}]: chunk type {ctype!r} is not supported by this gateway "
+                                "(token prompts only)")
+        tokens.extend(EncodedTextChunk.model_validate(chunk).tokens)
+    if tokens and not (0 <= min(tokens) and max(tokens) < 2**31):
+        bad = next(t for t in tokens if not 0 <= t < 2**31)
+        raise _Refused(400, f"prompt token id {bad} is outside [0, 2^31)")
+    if not tokens:
+        raise _Refused(400, "prompt has no tokens")
+    return tokens
+
+
+def _check_limits(engine: EngineConfig, n: int, plen: int) -> None:
+    """Raises _Refused (400) when ``n`` > ``engine.max_num_samples`` or a prompt of ``plen``
+    tokens leaves no room under ``engine.max_model_len``."""
+    if n > engine.max_num_samples:
+        raise _Refused(400, f"num_samples={n} exceeds engine.max_num_samples={engine.max_num_samples}")
+    if plen >= engine.max_model_len:
+        raise _Refused(400, f"prompt of {plen} tokens does not fit engine.max_model_len={engine.max_model_len}")
+
+
+def _reserve_bytes(n: int, max_tokens: int, plen: int, want_plp: bool, topk: int) -> int:
+    # Largest SampleResponse this request can produce (bytes): per sequence tokens + logprobs,
+    # plus prompt logprobs and the top-k matrices, plus framing.
+    reserve = n * (8 * max_tokens + 32) + 32
+    if want_plp:
+        reserve += 4 * plen + 16 + (8 * plen * topk + 48 if topk else 0)
+    return reserve
+
+
+def _engine_body(model: str, tokens: list[int], n: int, max_tokens: int, sp: Any, want_plp: bool,
+                 topk: int) -> bytes:
+    engine_req: dict[str, Any] = {
+        "model": model,
+        "prompt": tokens, "n": n, "max_tokens": max_tokens,
+        "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+        "logprobs": 1, "return_token_ids": True,
+    }
+    if sp.seed is not None:
+        engine_req["seed"] = sp.seed
+    if want_plp:
+        engine_req["prompt_logprobs"] = topk
+    if isinstance(sp.stop, str):
+        engine_req["stop"] = [sp.stop]
+    elif sp.stop is not None and len(sp.stop) == 0:
+        engine_req["ignore_eos"] = True  # the SDK's stop=[]: no stop at all, EOS included
+    elif sp.stop:
+        if all(isinstance(s, int) for s in sp.stop):
+            engine_req["stop_token_ids"] = sp.stop
+        else:
+            engine_req["stop"] = sp.stop
+    return json.dumps(engine_req, separators=(",", ":")).encode()
+
+
+@router.post("/api/v1/asample")
+async def asample(request: Request) -> JSONResponse:
+    """Submit a sample request; ``{"request_id", "sample_sequence_ids"}`` on success.
+
+    400 for what the gateway does not support or what does not fit the engine's limits, 404
+    for an unknown sampling session, and the shard's refusals (see :func:`_submit`).
+    """
+    ctx = context(request)
+    cfg = ctx.cfg
+    req = SampleRequest.model_validate(await read_json(request))
+    try:
+        tokens = _prompt_tokens(req)
+        sess = ctx.signer.open_sampling_session_id(req.sampling_session_id, owner_of(request))
+        if sess is None:
+            raise _Refused(404, "unknown sampling_session_id (create_sampling_session first; "
+                                "sessions of an earlier server run are not kept unless server.id_secret is set)")
+        _check_limits(cfg.engine, req.num_samples, len(tokens))
+    except _Refused as exc:
+        return error(exc.status, exc.message)
+    n = req.num_samples
+    sp = req.sampling_params
+    plen = len(tokens)
+    max_tokens = sp.max_tokens
+    if max_tokens is None:
+        # Unset means "until EOS or the context is full" for the SDK; vLLM would use 16.
+        max_tokens = cfg.engine.max_model_len - plen
+    # topk_prompt_logprobs > 0 implies prompt logprobs (the top-k rows come with them).
+    topk = req.topk_prompt_logprobs
+    want_plp = bool(req.prompt_logprobs) or topk > 0
+    reserve = _reserve_bytes(n, max_tokens, plen, want_plp, topk)
+    model = cfg.engine.model or sess.base_model or sess.model_path or "default"
+    body = _engine_body(model, tokens, n, max_tokens, sp, want_plp, topk)
+    seq = req.seq_id if req.seq_id is not None else int.from_bytes(os.urandom(6), "little") + 10**15
+    key = f"{req.sampling_session_id}#{seq}"
+    shard = shard_of(key, cfg.shards.count)
+    meta = {"sid": req.sampling_session_id, "seq": seq, "owner": owner_of(request), "n": n,
+            "prompt_logprobs": want_plp, "topk": topk, "reserve_bytes": reserve}
+    if want_plp:
+        meta["prompt"] = tokens
+    return await _submit(ctx, shard, meta, body, n)
+
+
+async def _submit(ctx: FrontendContext, shard: int, meta: dict[str, Any], body: bytes, n: int) -> JSONResponse:
+    """SUBMIT to ``shard`` and answer: 200 with the future ID, 503 when the shard is down (retry),
+    or the shard's refusal (429 with ``Retry-After: 1`` when its arena has no room, 400 when the
+    result could never fit)."""
+    fe_header = ctx.fe_header
+    try:
+        reply = await ctx.clients[shard].request(Kind.SUBMIT, meta, body, timeout=30)
+    except (EncoderDeadError, asyncio.TimeoutError) as exc:
+        ctx.count("asample_503")
+        return JSONResponse({"error": f"shard {shard} unavailable: {exc}; retry"}, status_code=503,
+                            headers=fe_header)
+    if "request_id" not in reply:
+        status = int(reply.get("status", 500))
+        ctx.count(f"asample_{status}")
+        hdrs = dict(fe_header)
+        if status == 429:
+            hdrs["Retry-After"] = "1"
+        return JSONResponse({"error": reply.get("message", "rejected")}, status_code=status, headers=hdrs)
+    ctx.count("asample_ok")
+    rid = reply["request_id"]
+    return JSONResponse({"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]},
+                        headers={**fe_header, "X-Shardserver-Shard": str(shard)})
+
+
+@router.post("/api/v1/retrieve_future")
+async def retrieve_future(request: Request) -> Response:
+    """Long-poll a future (up to ``futures.long_poll_s``); the answers are README's ``retrieve_future`` table.
+
+    404 for an ID this run never issued, 410 for one of an earlier run or a lost future, 408
+    ``try_again`` while pending, 200 with the result bytes (:class:`ResultResponse`) or with
+    ``{"error", "category"}`` when the engine failed it.
+    """
+    ctx = context(request)
+    cfg = ctx.cfg
+    shards = cfg.shards.count
+    fe_header = ctx.fe_header
+    req = RetrieveFutureRequest.model_validate(await read_json(request))
+    fid = req.request_id
+    status = ctx.signer.check_future_id(fid, owner_of(request))
+    if status == FutureIdStatus.INVALID:
+        ctx.count("retrieve_404")
+        return error(404, f"unknown future {fid[:80]!r}: this server never issued it")
+    if status == FutureIdStatus.FOREIGN_RUN:
+        ctx.count("retrieve_410")
+        return JSONResponse({"error": "future was issued by an earlier run of the server; resubmit"},
+                            status_code=410, headers=fe_header)
+    shard = shard_of(fid, shards)
+    want = "proto" if PROTO_MEDIA_TYPE in request.headers.get("accept", "") else "json"
+    client = ctx.clients[shard]
+    t0 = time.monotonic()
+    for _attempt in range(3):
+        try:
+            reply = await client.request(
+                Kind.POLL, {"fid": fid, "timeout": 0 if ctx.draining else cfg.futures.long_poll_s, "want": want},
+                timeout=cfg.futures.long_poll_s + 15)
+        except EncoderDeadError as exc:
+            ctx.count("retrieve_410")
+            return JSONResponse({"error": f"shard {shard} lost its state ({exc}); resubmit"},
+                                status_code=410, headers=fe_header)
+        except asyncio.TimeoutError:
+            reply = {"state": "pending"}
+        state = reply.get("state")
+        if state == "done":
+            try:
+                data = ctx.reader(reply["arena"]).read(reply["off"], reply["len"], reply["gen"])
+            except (SlotInvalidError, FileNotFoundError) as exc:
+                log.debug("re-polling %s after a stale read: %s", fid, exc)
+                continue
+            if want == "json" and reply.get("form") == "proto":
+                data = sample_response_to_json(data)
+            ctx.count("retrieve_done")
+            ctx.count("bytes_delivered", len(data))
+            return ResultResponse(
+                data, PROTO_MEDIA_TYPE if want == "proto" else "application/json",
+                lambda: client.send(Kind.DELIVERED, {"fid": fid}),
+                headers={**fe_header, "X-Shardserver-Shard": str(shard)})
+        if state == "pending":
+            ctx.count("retrieve_408")
+            return JSONResponse({"type": "try_again", "request_id": fid, "queue_state": "active"},
+                                status_code=408, headers=fe_header)
+        if state == "failed":
+            ctx.count("retrieve_failed")
+            client.send(Kind.DELIVERED, {"fid": fid})
+            return JSONResponse({"error": reply.get("error", "failed"), "category": reply.get("category", "unknown")},
+                                headers=fe_header)
+        ctx.count("retrieve_410")
+        return JSONResponse({"error": f"future {reply.get('reason', 'is gone')}; resubmit"},
+                            status_code=410, headers=fe_header)
+    ctx.count("retrieve_410")
+    log.warning("future %s: arena slot kept changing during reads (%.3f s)", fid, time.monotonic() - t0)
+    return JSONResponse({"error": "result was evicted while being read; resubmit"}, status_code=410,
+                        headers=fe_header)
