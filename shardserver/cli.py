@@ -61,7 +61,7 @@ def _cmd_engine_sim(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from .auth import load_key_table
+    from .api.auth import load_key_table
 
     cfg = build_config(args)
     shown = cfg.as_dict(mask_secrets=True)

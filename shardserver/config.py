@@ -159,7 +159,7 @@ class FuturesConfig:
 
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
-    """API keys (see :mod:`shardserver.auth`).
+    """API keys (see :mod:`shardserver.api.auth`).
 
     ``mode = "open"`` accepts every request (the SDK still sends a ``tml-`` key); ``mode = "keys"``
     requires one of the keys read at start from ``keys_file`` (one per line, ``#`` comments)

@@ -278,12 +278,12 @@ AccessLog = Callable[[dict, int, int, float], None]
 class HttpMetricsMiddleware:
     """ASGI middleware: counts every response by (endpoint, status), times it, and writes the access log.
 
-    Placed outside :class:`shardserver.auth.AuthMiddleware`, so 401s are counted and logged too.
+    Placed outside :class:`shardserver.api.auth.AuthMiddleware`, so 401s are counted and logged too.
 
     Args:
         app: the wrapped ASGI app.
         access_log: when not None, called as ``access_log(scope, status, body_bytes, seconds)``
-            once per finished request (see :mod:`shardserver.access_log`).
+            once per finished request (see :mod:`shardserver.api.access_log`).
     """
 
     def __init__(self, app: Any, access_log: AccessLog | None = None) -> None:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import BASE_MODEL, Api
-from shardserver.auth import (
+from shardserver.api.auth import (
     INVALID_KEY_MESSAGE,
     MISSING_KEY_MESSAGE,
     load_key_table,

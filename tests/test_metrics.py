@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Api
-from shardserver.access_log import make_access_log
+from shardserver.api.access_log import make_access_log
 from shardserver.metrics import (
     REGISTRY,
     FrontendCounters,

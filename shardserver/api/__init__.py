@@ -12,5 +12,12 @@
 * :mod:`.ops`: ``/healthz``, ``/readyz``, ``/metrics``, ``/stats`` and the catch-all that
   answers 501 for the Tinker training endpoints.
 
-The process that serves the app is :class:`shardserver.workers.frontend.FrontendProc`.
+* :mod:`.models`: the SDK's request bodies as pydantic models.
+* :mod:`.auth`: API keys (:class:`~shardserver.api.auth.AuthMiddleware`) and the owner an ID is
+  bound to.
+* :mod:`.access_log`: one line per request when ``server.access_log`` is on.
+
+The process that serves the app is :class:`shardserver.workers.frontend.FrontendProc`. This
+package's ``__init__`` imports nothing, so importing a leaf module (the supervisor loads the
+API keys with :func:`shardserver.api.auth.load_key_table`) does not load FastAPI.
 """

@@ -16,10 +16,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from ..access_log import make_access_log
-from ..auth import AuthMiddleware
 from ..metrics import HttpMetricsMiddleware, count_auth_rejected
 from . import ops, sampling, sessions
+from .access_log import make_access_log
+from .auth import AuthMiddleware
 from .common import BodyError, validation_message
 from .state import FrontendContext, context
 

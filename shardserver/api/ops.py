@@ -1,7 +1,7 @@
 """Operations endpoints: liveness, readiness, metrics, stats, and what this gateway does not serve.
 
 ``/healthz``, ``/readyz`` and ``/metrics`` need no API key
-(:data:`shardserver.auth.PUBLIC_PATHS`). Their bodies are described in
+(:data:`shardserver.api.auth.PUBLIC_PATHS`). Their bodies are described in
 ``docs/OPERATIONS.md``. :data:`fallback_router` holds the catch-all under ``/api/v1/``
 and must be the last router included (see :func:`shardserver.api.app.create_app`).
 """

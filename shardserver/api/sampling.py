@@ -22,14 +22,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..api_models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
-from ..auth import owner_of
 from ..codec import sample_response_to_json
 from ..config import EngineConfig
 from ..control import Kind
 from ..errors import EncoderDeadError, SlotInvalidError
 from ..ids import FutureIdStatus, shard_of
+from .auth import owner_of
 from .common import error, read_json
+from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
 from .state import FrontendContext, context
 
 __all__ = ["router", "PROTO_MEDIA_TYPE", "ResultResponse", "asample", "retrieve_future"]

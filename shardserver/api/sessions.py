@@ -2,9 +2,9 @@
 
 Sessions hold no server state: a session ID and a sampling-session ID are signed by
 :class:`shardserver.ids.IdSigner` (the sampling-session ID carries ``base_model`` and
-``model_path``) and bound to the request's API-key owner (:func:`shardserver.auth.owner_of`),
+``model_path``) and bound to the request's API-key owner (:func:`shardserver.api.auth.owner_of`),
 so any front-end checks them. The request bodies are the SDK's
-(:mod:`shardserver.api_models`).
+(:mod:`shardserver.api.models`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..api_models import CreateSamplingSessionRequest, CreateSessionRequest
-from ..auth import owner_of
 from ..ids import SamplingSession
+from .auth import owner_of
 from .common import error, read_json
+from .models import CreateSamplingSessionRequest, CreateSessionRequest
 from .state import context
 
 __all__ = ["router", "MAX_MODEL_NAME", "client_config", "dynamic_config", "create_session", "session_heartbeat",

@@ -11,12 +11,12 @@ from typing import Any
 
 from fastapi import Request
 
-from ..auth import KeyTable
 from ..config import Config
 from ..control import ControlClient
 from ..ids import IdSigner
 from ..metrics import FrontendCounters
 from ..shm.arena import ArenaReader
+from .auth import KeyTable
 
 __all__ = ["FrontendContext", "context"]
 

@@ -21,7 +21,7 @@ import uvicorn
 
 from ..api.app import create_app
 from ..api.state import FrontendContext
-from ..auth import KeyTable
+from ..api.auth import KeyTable
 from ..config import Config
 from ..ids import IdSigner
 
@@ -62,7 +62,7 @@ class FrontendProc:
                               ready_conn=ready_conn, auth=auth or KeyTable.open())
         app = create_app(ctx)
         ucfg = uvicorn.Config(
-            app, loop="uvloop", http="httptools", lifespan="on", access_log=False,  # see shardserver.access_log
+            app, loop="uvloop", http="httptools", lifespan="on", access_log=False,  # see shardserver.api.access_log
             log_config=None, log_level=cfg.server.log_level, timeout_keep_alive=max(1, math.ceil(cfg.server.keep_alive_s)),
             timeout_graceful_shutdown=max(1, math.ceil(cfg.server.graceful_shutdown_s)), backlog=cfg.server.backlog,
             server_header=False)

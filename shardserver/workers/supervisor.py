@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..auth import load_key_table
+from ..api.auth import load_key_table
 from ..config import Config, mask_url
 from ..multiproc import mark_dead, prepare_multiproc_dir
 from ..shm.arena import create_segment, pid_alive, remove_stale_segments, segment_name, unlink_segment

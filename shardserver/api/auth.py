@@ -40,8 +40,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
-from .config import AuthConfig
-from .errors import ConfigError
+from ..config import AuthConfig
+from ..errors import ConfigError
 
 __all__ = [
     "KEY_PREFIX",

@@ -7,7 +7,7 @@ whatever ``server.log_level`` is. The line is::
     <client ip:port> "<METHOD> <path>" <status> <body bytes>B <milliseconds>ms key=<fingerprint> fe=<front-end>
 
 ``key`` is the first 8 hex digits of the API key's owner fingerprint
-(:func:`shardserver.auth.owner_fingerprint`; ``-`` in open mode): it tells keys
+(:func:`shardserver.api.auth.owner_fingerprint`; ``-`` in open mode): it tells keys
 apart without revealing them. Query strings are not logged. uvicorn's own
 access logger is left off (:class:`shardserver.metrics.HttpMetricsMiddleware`
 already times every request, so the line carries the latency uvicorn's lacks).
