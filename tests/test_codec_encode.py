@@ -17,6 +17,7 @@ from shardserver.codec import (
     DecodedChoice,
     DecodedCompletion,
     encode_sample_response,
+    max_sample_response_size,
     sample_response_size,
     stop_reason_code,
 )
@@ -289,3 +290,64 @@ def test_property_byte_identical_and_sdk_decodes(dc):
         assert np.array_equal(sr.topk_prompt_logprobs_np.token_ids, dc.topk_token_ids)
         assert np.array_equal(sr.topk_prompt_logprobs_np.logprobs, dc.topk_logprobs)
     assert sr.prompt_cache_hit_tokens == dc.prompt_cache_hit_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# The arena reservation: no real result is larger than max_sample_response_size
+
+
+@st.composite
+def requests_and_results(draw):
+    """A sample request's size parameters and a result the engine may answer to it: every
+    sequence at most ``max_tokens`` long (often exactly), prompt logprobs and top-k matrices
+    of the prompt's length when requested, any ``prompt_cache_hit_tokens``."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n = draw(st.integers(1, 6))
+    max_tokens = draw(st.sampled_from([1, 31, 32, 4095, 4096, 40000]) | st.integers(1, 5000))
+    P = draw(st.sampled_from([1, 31, 32, 4096]) | st.integers(1, 3000))
+    topk = draw(st.integers(0, 20))
+    want_plp = topk > 0 or draw(st.booleans())
+    choices = []
+    for i in range(n):
+        length = draw(st.just(max_tokens) | st.integers(0, max_tokens))
+        toks = rng.integers(0, 2**31 - 1, size=length, dtype=np.int64).astype(np.int32)
+        lps = None if draw(st.booleans()) and length else (-rng.exponential(2.0, size=length)).astype(np.float32)
+        finish = draw(st.sampled_from(["stop", "length", "repetition"]))
+        choices.append(DecodedChoice(i, toks, lps, finish, None))
+    dc = DecodedCompletion(choices, prompt_cache_hit_tokens=draw(st.sampled_from([0, P, 2**31 - 1])))
+    if want_plp:
+        dc.prompt_logprobs = (-rng.exponential(2.0, size=P)).astype(np.float32)
+        if topk:
+            dc.topk_token_ids = rng.integers(0, 151643, size=(P, topk)).astype(np.int32)
+            dc.topk_logprobs = (-rng.exponential(2.0, size=(P, topk))).astype(np.float32)
+    return (n, max_tokens, P, want_plp, topk), dc
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests_and_results())
+def test_property_no_result_exceeds_max_sample_response_size(case):
+    (n, max_tokens, P, want_plp, topk), dc = case
+    size = len(encode_sample_response(dc))
+    assert size == sample_response_size(dc)
+    assert size <= max_sample_response_size(n, max_tokens, P, want_plp, topk)
+
+
+@pytest.mark.parametrize("n, max_tokens, P, want_plp, topk", [
+    (1, 32768, 10, False, 0), (8, 40000, 4096, True, 20), (3, 4096, 100, True, 0), (64, 1, 1, True, 1)])
+def test_max_sample_response_size_of_the_largest_results(n, max_tokens, P, want_plp, topk):
+    """Every sequence at max_tokens with logprobs and LENGTH, prompt logprobs with top-k, the
+    largest cache-hit count: the bound holds, with at most its framing allowance to spare."""
+    rng = np.random.default_rng(7)
+    choices = [DecodedChoice(i, rng.integers(0, 2**31 - 1, size=max_tokens, dtype=np.int64).astype(np.int32),
+                             np.full(max_tokens, -1.5, np.float32), "length", None) for i in range(n)]
+    dc = DecodedCompletion(choices, prompt_cache_hit_tokens=2**31 - 1)
+    if want_plp:
+        dc.prompt_logprobs = np.full(P, -2.0, np.float32)
+        if topk:
+            dc.topk_token_ids = np.ones((P, topk), np.int32)
+            dc.topk_logprobs = np.full((P, topk), -3.0, np.float32)
+    size = len(encode_sample_response(dc))
+    bound = max_sample_response_size(n, max_tokens, P, want_plp, topk)
+    assert size <= bound <= size + 32 * n + 32 + 16 + 48
+    if not want_plp and (n, max_tokens) == (1, 32768):
+        assert bound == 262208  # README: "a 32k-token result is 256 KB of proto"

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..codec import sample_response_to_json
+from ..codec import max_sample_response_size, sample_response_to_json
 from ..config import EngineConfig
 from ..control import Kind
 from ..errors import EncoderDeadError, SlotInvalidError
@@ -106,15 +106,6 @@ def _check_limits(engine: EngineConfig, n: int, plen: int) -> None:
         raise _Refused(400, f"prompt of {plen} tokens does not fit engine.max_model_len={engine.max_model_len}")
 
 
-def _reserve_bytes(n: int, max_tokens: int, plen: int, want_plp: bool, topk: int) -> int:
-    # Largest SampleResponse this request can produce (bytes): per sequence tokens + logprobs,
-    # plus prompt logprobs and the top-k matrices, plus framing.
-    reserve = n * (8 * max_tokens + 32) + 32
-    if want_plp:
-        reserve += 4 * plen + 16 + (8 * plen * topk + 48 if topk else 0)
-    return reserve
-
-
 def _engine_body(model: str, tokens: list[int], n: int, max_tokens: int, sp: Any, want_plp: bool,
                  topk: int) -> bytes:
     engine_req: dict[str, Any] = {
@@ -168,7 +159,7 @@ async def asample(request: Request) -> JSONResponse:
     # topk_prompt_logprobs > 0 implies prompt logprobs (the top-k rows come with them).
     topk = req.topk_prompt_logprobs
     want_plp = bool(req.prompt_logprobs) or topk > 0
-    reserve = _reserve_bytes(n, max_tokens, plen, want_plp, topk)
+    reserve = max_sample_response_size(n, max_tokens, plen, want_plp, topk)  # the arena reservation
     model = cfg.engine.model or sess.base_model or sess.model_path or "default"
     body = _engine_body(model, tokens, n, max_tokens, sp, want_plp, topk)
     seq = req.seq_id if req.seq_id is not None else int.from_bytes(os.urandom(6), "little") + 10**15

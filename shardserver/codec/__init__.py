@@ -5,7 +5,8 @@
 * :func:`encode_sample_response` writes it as ``tinker_public.SampleResponse`` protobuf
   wire bytes (hand-written framing, byte-identical to the generated module), into a
   new ``bytes`` or straight into a caller's buffer; :func:`sample_response_size` says
-  how many bytes that takes.
+  how many bytes that takes, :func:`max_sample_response_size` how many a request's result
+  can take at most (its arena reservation).
 * :func:`sample_response_to_json` derives the pre-0.25 SDK JSON form from those bytes.
 """
 
@@ -21,6 +22,7 @@ from shardserver.codec.encode import (
     STOP_REASON_LENGTH,
     STOP_REASON_STOP,
     encode_sample_response,
+    max_sample_response_size,
     sample_response_size,
     stop_reason_code,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "STOP_REASON_LENGTH",
     "stop_reason_code",
     "sample_response_size",
+    "max_sample_response_size",
     "encode_sample_response",
     "sample_response_to_json",
 ]
