@@ -77,7 +77,7 @@ def sdk_headers(api_key: str) -> dict[str, str]:
 
 
 def engine_request(prompt: list[int], max_tokens: int, seed: int, n: int) -> dict[str, Any]:
-    """The ``/v1/completions`` request the gateway builds for our ``asample`` (see frontend.asample)."""
+    """The ``/v1/completions`` request the gateway builds for our ``asample`` (see shardserver.engine_request)."""
     return {"model": BASE_MODEL, "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": 1.0,
             "top_p": 1.0, "top_k": -1, "logprobs": 1, "return_token_ids": True, "seed": seed}
 

@@ -1,9 +1,10 @@
 """Sampling endpoints: ``asample`` submits to the owning shard, ``retrieve_future`` long-polls it.
 
 ``asample`` validates the request, flattens the prompt to token ids, computes the largest
-``SampleResponse`` the request can produce (the arena reservation), builds the vLLM
-``/v1/completions`` body and sends both to the shard that ``(sampling_session_id, seq_id)``
-hashes to (:func:`shardserver.ids.shard_of`), which dedupes resubmissions and mints the
+``SampleResponse`` the request can produce (the arena reservation,
+:func:`shardserver.codec.encode.max_sample_response_size`), builds the vLLM
+``/v1/completions`` body (:func:`shardserver.engine_request.completion_request_body`) and
+sends both to the shard that ``(sampling_session_id, seq_id)`` hashes to (:func:`shardserver.ids.shard_of`), which dedupes resubmissions and mints the
 future ID. ``retrieve_future`` asks the shard the future ID hashes to and copies a finished
 result straight out of that shard's arena into the response (:class:`ResultResponse`):
 protobuf when ``Accept`` names :data:`PROTO_MEDIA_TYPE`, else JSON. The answers are listed
@@ -13,7 +14,6 @@ in README's ``retrieve_future`` table.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from ..codec import max_sample_response_size, sample_response_to_json
 from ..config import EngineConfig
 from ..control import Kind
+from ..engine_request import completion_request_body
 from ..errors import EncoderDeadError, SlotInvalidError
 from ..ids import FutureIdStatus, shard_of
 from .auth import owner_of
@@ -106,30 +107,6 @@ def _check_limits(engine: EngineConfig, n: int, plen: int) -> None:
         raise _Refused(400, f"prompt of {plen} tokens does not fit engine.max_model_len={engine.max_model_len}")
 
 
-def _engine_body(model: str, tokens: list[int], n: int, max_tokens: int, sp: Any, want_plp: bool,
-                 topk: int) -> bytes:
-    engine_req: dict[str, Any] = {
-        "model": model,
-        "prompt": tokens, "n": n, "max_tokens": max_tokens,
-        "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-        "logprobs": 1, "return_token_ids": True,
-    }
-    if sp.seed is not None:
-        engine_req["seed"] = sp.seed
-    if want_plp:
-        engine_req["prompt_logprobs"] = topk
-    if isinstance(sp.stop, str):
-        engine_req["stop"] = [sp.stop]
-    elif sp.stop is not None and len(sp.stop) == 0:
-        engine_req["ignore_eos"] = True  # the SDK's stop=[]: no stop at all, EOS included
-    elif sp.stop:
-        if all(isinstance(s, int) for s in sp.stop):
-            engine_req["stop_token_ids"] = sp.stop
-        else:
-            engine_req["stop"] = sp.stop
-    return json.dumps(engine_req, separators=(",", ":")).encode()
-
-
 @router.post("/api/v1/asample")
 async def asample(request: Request) -> JSONResponse:
     """Submit a sample request; ``{"request_id", "sample_sequence_ids"}`` on success.
@@ -161,7 +138,9 @@ async def asample(request: Request) -> JSONResponse:
     want_plp = bool(req.prompt_logprobs) or topk > 0
     reserve = max_sample_response_size(n, max_tokens, plen, want_plp, topk)  # the arena reservation
     model = cfg.engine.model or sess.base_model or sess.model_path or "default"
-    body = _engine_body(model, tokens, n, max_tokens, sp, want_plp, topk)
+    body = completion_request_body(
+        model=model, prompt=tokens, n=n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+        top_k=sp.top_k, seed=sp.seed, stop=sp.stop, prompt_logprobs=topk if want_plp else None)
     seq = req.seq_id if req.seq_id is not None else int.from_bytes(os.urandom(6), "little") + 10**15
     key = f"{req.sampling_session_id}#{seq}"
     shard = shard_of(key, cfg.shards.count)

@@ -1,0 +1,83 @@
+"""The vLLM ``/v1/completions`` request body for one Tinker sample request.
+
+Engine protocol knowledge, kept out of the HTTP handlers: ``asample``
+(:mod:`shardserver.api.sampling`) validates the SDK's request and hands the fields to
+:func:`completion_request_body`; the encoder that owns the future forwards the bytes to the
+engine unchanged (and re-forwards them on ``finish_reason: abort``). The fields are those of
+vLLM's ``CompletionRequest`` (``vllm/entrypoints/openai/protocol.py``; the bundled simulator,
+:mod:`shardserver.engine_sim`, parses the same ones).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+__all__ = ["completion_request_body"]
+
+
+def completion_request_body(
+    *,
+    model: str,
+    prompt: Sequence[int],
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: str | list[str] | list[int] | None,
+    prompt_logprobs: int | None,
+) -> bytes:
+    """The JSON body (compact, UTF-8) of a ``POST /v1/completions`` for one sample request.
+
+    vLLM fields set, in this order:
+
+    * ``model``, ``prompt`` (token ids, not text), ``n``, ``max_tokens``, ``temperature``,
+      ``top_p``, ``top_k``: as given.
+    * ``logprobs: 1``: every choice carries the sampled tokens' logprobs (``SampleResponse``
+      sequences always have them).
+    * ``return_token_ids: true``: every choice carries its generated token ids (the SDK gets
+      tokens, never text).
+    * ``seed``: only when not None.
+    * ``prompt_logprobs``: only when not None; ``k`` top entries per prompt position besides
+      the prompt token's own logprob (0: only that one).
+    * From the SDK's ``stop``: a string becomes ``stop: [string]``; a list of strings
+      ``stop``; a list of ints ``stop_token_ids``; the empty list ``ignore_eos: true`` (the
+      SDK's ``stop=[]`` means no stop at all, EOS included); None sets nothing.
+
+    Args:
+        model: the model name the engine serves (``engine.model``, else the session's).
+        prompt: the prompt's token ids, each in [0, 2^31).
+        n: sequences to sample (>= 1).
+        max_tokens: most tokens generated per sequence (>= 1).
+        temperature, top_p, top_k: the SDK's ``SamplingParams`` (``top_k = -1``: off).
+        seed: the SDK's ``SamplingParams.seed``.
+        stop: the SDK's ``SamplingParams.stop``.
+        prompt_logprobs: None when the request wants no prompt logprobs, else its
+            ``topk_prompt_logprobs`` (0..20).
+
+    Returns:
+        The body bytes, e.g. ``{"model":"m","prompt":[1,2],"n":1,"max_tokens":4,"temperature":1.0,
+        "top_p":1.0,"top_k":-1,"logprobs":1,"return_token_ids":true}`` (one line).
+    """
+    req: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt, "n": n, "max_tokens": max_tokens,
+        "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "logprobs": 1, "return_token_ids": True,
+    }
+    if seed is not None:
+        req["seed"] = seed
+    if prompt_logprobs is not None:
+        req["prompt_logprobs"] = prompt_logprobs
+    if isinstance(stop, str):
+        req["stop"] = [stop]
+    elif stop is not None and len(stop) == 0:
+        req["ignore_eos"] = True  # the SDK's stop=[]: no stop at all, EOS included
+    elif stop:
+        if all(isinstance(s, int) for s in stop):
+            req["stop_token_ids"] = stop
+        else:
+            req["stop"] = stop
+    return json.dumps(req, separators=(",", ":")).encode()
