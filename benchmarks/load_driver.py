@@ -53,9 +53,32 @@ BASE_MODEL = "Qwen/Qwen3-8B"
 PROTO = "application/x-protobuf"
 SDK_VERSION = "0.38.0"
 
-# Counter slots in the shared progress array (one row of N_SLOTS per driver process).
+# Counter slots in the shared progress array (one row of N_SLOTS per driver process): five totals,
+# then one cumulative count per retry kind of RETRY_KINDS (the orchestrator samples them every
+# second for the time series of retries by kind).
 P_DONE, P_FAILED, P_RETRIES, P_BYTES, P_SUBMITTED = range(5)
-N_SLOTS = 5
+RETRY_KINDS = (
+    "asample_429", "asample_timeout", "asample_conn_error", "asample_other",   # asample: 408/409/5xx
+    "poll_408", "poll_200_try_again", "poll_complete_metadata", "poll_5xx", "poll_429", "poll_400",
+    "poll_timeout", "poll_conn_error", "poll_410", "poll_402",
+    "resubmit_410", "resubmit_asample_timeout", "heartbeat_error", "other",
+)
+_KIND_INDEX = {k: i for i, k in enumerate(RETRY_KINDS)}
+P_KIND0 = 5
+N_SLOTS = P_KIND0 + len(RETRY_KINDS)
+
+
+def retry_slot(kind: str) -> int:
+    """Index (within a driver's row) of the progress slot that counts retry ``kind`` (a counter name)."""
+    if kind in _KIND_INDEX:
+        return P_KIND0 + _KIND_INDEX[kind]
+    if kind.startswith("asample_"):
+        return P_KIND0 + _KIND_INDEX["asample_other"]
+    if kind.startswith("poll_5") and kind[5:].isdigit():
+        return P_KIND0 + _KIND_INDEX["poll_5xx"]
+    if kind == "poll_400_empty":
+        return P_KIND0 + _KIND_INDEX["poll_400"]
+    return P_KIND0 + _KIND_INDEX["other"]
 
 
 def sdk_headers(api_key: str) -> dict[str, str]:
@@ -166,6 +189,7 @@ class Driver:
         self.counters[kind] = self.counters.get(kind, 0) + 1
         if retry:
             self.progress[self.base + P_RETRIES] += 1
+            self.progress[self.base + retry_slot(kind)] += 1
 
     def fail(self, kind: str, detail: str) -> None:
         self.counters["fail_" + kind] = self.counters.get("fail_" + kind, 0) + 1
