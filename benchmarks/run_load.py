@@ -265,7 +265,8 @@ class Monitor(threading.Thread):
     is saturated, so it is polled on its own thread): ``t_s`` (midpoint of request and answer,
     s since go), ``latency_s`` (how long the answer took), and sums over shards of
     ``arena_used`` / ``arena_reserved`` (bytes) and futures per stage (``pending``,
-    ``completed``, ``retrieved``, ``gone``). Stops when ``stop_ev`` is set or after ``max_s``.
+    ``completed``, ``retrieved``, ``gone``); :attr:`stats_failed`: when (s since go) a poll
+    failed or took over 5 s. Stops when ``stop_ev`` is set or after ``max_s``.
     """
 
     def __init__(self, pgid: int, url: str, interval: float, max_s: float, t0: float,
@@ -284,6 +285,7 @@ class Monitor(threading.Thread):
         self.stats_series: dict[str, list[float]] = {c: [] for c in ("t_s", "latency_s", "arena_used",
                                                                      "arena_reserved", *STAGES)}
         self.last_arena_used = -1
+        self.stats_failed: list[float] = []   # s since go of each /stats poll that failed or timed out (5 s)
 
     def arena_used(self) -> int:
         js = fetch_stats(self.url)
@@ -295,7 +297,9 @@ class Monitor(threading.Thread):
             t_req = time.monotonic()
             js = fetch_stats(self.url)
             t_ans = time.monotonic()
-            if js is not None:
+            if js is None:
+                self.stats_failed.append(round(t_req - self.t0, 2))
+            else:
                 st = stats_summary(js)
                 row = {"t_s": round((t_req + t_ans) / 2 - self.t0, 2), "latency_s": round(t_ans - t_req, 3),
                        **{c: int(st[c]) for c in ("arena_used", "arena_reserved", *STAGES)}}
@@ -551,7 +555,7 @@ def pyspy_top(raw: str, top: int = 15) -> dict[str, Any]:
     Returns ``{"samples": total, "top_self": [(function, samples, percent)], "top_total":
     [...]}``: *self* counts the samples where the function is the innermost Python frame (time in
     a C extension called from it counts as its own), *total* the samples where it is anywhere on
-    the stack (once per sample), leaving out the trunk (functions on >= 97 % of the samples: the
+    the stack (once per sample), leaving out the trunk (functions on >= 90 % of the samples: the
     process entry and the event loop). Frames are aggregated per function and file, line numbers
     dropped.
     """
@@ -576,7 +580,7 @@ def pyspy_top(raw: str, top: int = 15) -> dict[str, Any]:
         return [(k, v, round(100 * v / max(n, 1), 1)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
 
     # The common trunk (process start, event loop: on nearly every stack) says nothing; leave it out.
-    branch = {k: v for k, v in total_c.items() if v < 0.97 * n}
+    branch = {k: v for k, v in total_c.items() if v < 0.9 * n}
     return {"samples": n, "top_self": best(self_c), "top_total": best(branch)}
 
 # ------------------------------------------------------------------------------------------------
@@ -776,6 +780,7 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
             "profiles": profiles,
             "timeseries": mon.series,
             "stats_timeseries": mon.stats_series,
+            "stats_failed_at_s": mon.stats_failed,
             "latencies_s": sorted(lat),
             "done_at_s": sorted(x for r in res for x in r.done_at_s),
         })
@@ -999,6 +1004,9 @@ def plot_timeline(plt: Any, path: Path, title: str, r: dict[str, Any]) -> None:
     for st in ("pending", "completed"):
         if st_t:
             ax.plot(st_t, ss[st], marker=".", label=f"server: {st} (/stats, at its answer)")
+    for i, x in enumerate(r.get("stats_failed_at_s", [])):
+        for a in (axes[2], axes[3]):
+            a.axvline(x, color="red", alpha=0.4, lw=1, label="/stats poll failed (> 5 s)" if i == 0 else None)
     ax.set_ylabel("futures")
     ax.legend(fontsize=8, loc="upper right")
     ax = axes[4]
