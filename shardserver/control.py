@@ -5,47 +5,70 @@ Each front-end keeps one connection to each encoder
 
     u32 length (of everything after it) | u8 kind | u32 tag | payload
 
-* ``kind`` is a :class:`Kind`; ``tag`` pairs a reply with its request (0 for
-  one-way messages).
-* The payload is ``u32 meta_length | meta (compact JSON object) | blob``. Only
-  SUBMIT carries a blob: the engine request body, built once by the front-end
-  and posted by the encoder as-is.
+* ``kind`` is a :class:`~shardserver.messages.Kind`; ``tag`` pairs a reply with
+  its request (0 for one-way messages).
+* The payload is ``u32 meta_length | meta | blob``. ``meta`` is one message of
+  :mod:`shardserver.messages`, MessagePack-encoded; each request kind and each
+  reply union has its own decoder. Only SUBMIT carries a blob: the engine
+  request body, built once by the front-end and posted by the encoder as-is.
 * Replies never carry result bytes: a completed result is answered with where
   it lies in the shard's arena (name, offset, length, generation) and the
   front-end copies it out of shared memory itself.
-* Errors cross as strings and codes inside the reply (``{"state": "failed",
-  "error": ..., "category": ...}``); exceptions are never pickled. When a
-  connection breaks, every request waiting on it fails at once with
-  :class:`EncoderDeadError` and the client reconnects in the background.
+* Errors cross as typed replies (a refusal with its reason, a failed future
+  with its message and category); exceptions are never pickled. A request
+  the encoder cannot handle (unknown kind, undecodable meta, a bug in its
+  handler) is answered with an ``ERROR`` frame holding an
+  :class:`~shardserver.messages.ErrorReply`. When a connection breaks, every
+  request waiting on it fails at once with :class:`EncoderDeadError` and the
+  client reconnects in the background.
 
-Message shapes (meta JSON):
+Messages (structs of :mod:`shardserver.messages`):
 
-========== ============================================================ =========================================
-kind       request                                                      reply
-========== ============================================================ =========================================
-SUBMIT     sid, seq, owner, n, prompt_logprobs, topk, reserve_bytes,     ``{"request_id"}`` or ``{"status","message"}``
-           prompt (int list, only with prompt logprobs); blob: body
-POLL       fid, timeout (s), want ("proto" | "json")                    ``{"state": "done", "arena", "off", "len", "gen"}``,
-                                                                        ``{"state": "pending"}``, ``{"state": "failed", ...}``,
-                                                                        ``{"state": "gone", "reason"}``
-DELIVERED  fid                                                          (none)
-STATS      {}                                                           counters and gauges of the shard
-========== ============================================================ =========================================
+========== ============================================ =====================================================
+kind       request (meta; blob)                          reply
+========== ============================================ =====================================================
+SUBMIT     ``SubmitRequest``; blob: engine request body  ``SubmitAccepted`` or ``SubmitRefused`` (with a
+                                                         ``RefusalReason``)
+POLL       ``PollRequest`` (fid, timeout s, want)        ``PollDone`` (arena, offset, length, generation,
+                                                         form), ``PollPending``, ``PollFailed``, ``PollGone``
+DELIVERED  ``Delivered`` (fid)                           (none)
+STATS      ``StatsRequest``                              ``StatsReply``
+(any)                                                    ``ErrorReply`` in an ERROR frame
+========== ============================================ =====================================================
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import json
 import logging
 import struct
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
+
+import msgspec
 
 from .aio import cancel_and_wait
-from .errors import EncoderDeadError
+from .errors import ControlError, EncoderDeadError
+from .messages import (
+    ControlProtocolError,
+    Delivered,
+    ErrorReply,
+    Kind,
+    PollFailed,
+    PollReply,
+    PollRequest,
+    RefusalReason,
+    StatsReply,
+    StatsRequest,
+    SubmitRefused,
+    SubmitReply,
+    SubmitRequest,
+    decode_error,
+    decode_reply,
+    decode_request,
+    encode_meta,
+)
 
-__all__ = ["Kind", "encode_frame", "read_frame", "ControlClient", "serve_control"]
+__all__ = ["Kind", "Frame", "encode_frame", "read_frame", "ControlClient", "serve_control"]
 
 log = logging.getLogger("shardserver.control")
 
@@ -54,41 +77,47 @@ _META = struct.Struct("<I")
 MAX_FRAME = 1 << 30
 
 
-class Kind(enum.IntEnum):
-    SUBMIT = 1
-    POLL = 2
-    DELIVERED = 3
-    STATS = 4
-    REPLY = 128
+class Frame(NamedTuple):
+    """One frame as read; ``meta`` is still encoded (MessagePack bytes)."""
+
+    kind: int
+    tag: int
+    meta: bytes
+    blob: bytes
 
 
-def encode_frame(kind: int, tag: int, meta: dict[str, Any], blob: bytes = b"") -> bytes:
-    """One frame as bytes (see the module docstring)."""
-    m = json.dumps(meta, separators=(",", ":")).encode()
+def encode_frame(kind: int, tag: int, msg: msgspec.Struct, blob: bytes = b"") -> bytes:
+    """One frame as bytes (see the module docstring); ``msg`` is a :mod:`shardserver.messages` struct."""
+    m = encode_meta(msg)
     body_len = 1 + 4 + 4 + len(m) + len(blob)
     return b"".join((_HEAD.pack(body_len, kind, tag), _META.pack(len(m)), m, blob))
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, dict[str, Any], bytes]:
-    """Read one frame: (kind, tag, meta, blob).
+async def read_frame(reader: asyncio.StreamReader) -> Frame:
+    """Read one frame; decode its meta with :func:`shardserver.messages.decode_request` or
+    :func:`~shardserver.messages.decode_reply`.
 
     Raises:
         asyncio.IncompleteReadError: the peer closed the connection.
-        ValueError: a malformed frame.
+        ControlProtocolError (a ValueError): the frame's length fields are out of range.
     """
     head = await reader.readexactly(_HEAD.size)
     length, kind, tag = _HEAD.unpack(head)
     if length < 9 or length > MAX_FRAME:
-        raise ValueError(f"control frame length {length} out of range")
+        raise ControlProtocolError(f"control frame length {length} out of range [9, {MAX_FRAME}]")
     rest = await reader.readexactly(length - 5)
     (mlen,) = _META.unpack_from(rest, 0)
-    meta = json.loads(rest[4:4 + mlen])
-    blob = rest[4 + mlen:]
-    return kind, tag, meta, blob
+    if mlen > len(rest) - 4:
+        raise ControlProtocolError(f"control frame meta length {mlen} exceeds the frame ({len(rest) - 4} bytes left)")
+    return Frame(kind, tag, rest[4:4 + mlen], rest[4 + mlen:])
 
 
 class ControlClient:
     """A front-end's connection to one encoder, with request/reply matching and reconnects.
+
+    The typed calls (:meth:`submit`, :meth:`poll`, :meth:`delivered`, :meth:`stats`) are what
+    the HTTP handlers use; an :class:`ErrorReply` from the encoder is folded into each call's
+    own reply type.
 
     Args:
         path: the encoder's Unix socket.
@@ -99,7 +128,8 @@ class ControlClient:
         self.path = path
         self.shard = shard
         self._writer: asyncio.StreamWriter | None = None
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        # tag -> (reply future, the kind of the request it answers)
+        self._pending: dict[int, tuple[asyncio.Future[object], Kind]] = {}
         self._polls: set[int] = set()
         self._next_tag = 1
         self._connected = asyncio.Event()
@@ -137,10 +167,11 @@ class ControlClient:
             self._connected.set()
             try:
                 while True:
-                    kind, tag, meta, _ = await read_frame(reader)
-                    fut = self._pending.pop(tag, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(meta)
+                    frame = await read_frame(reader)
+                    waiting = self._pending.pop(frame.tag, None)
+                    if waiting is None or waiting[0].done():
+                        continue  # its caller gave up (timeout) or was answered already (drain)
+                    self._answer(waiting[0], waiting[1], frame)
             except (asyncio.IncompleteReadError, ConnectionError, ValueError):
                 pass
             finally:
@@ -149,30 +180,46 @@ class ControlClient:
                 writer.close()
                 self._fail_all(f"encoder {self.shard} connection lost")
 
+    def _answer(self, fut: asyncio.Future[object], kind: Kind, frame: Frame) -> None:
+        """Resolve one request's future with its decoded reply (a malformed reply fails only that
+        request, with a :class:`ControlProtocolError`)."""
+        try:
+            if frame.kind == Kind.REPLY:
+                fut.set_result(decode_reply(kind, frame.meta))
+            elif frame.kind == Kind.ERROR:
+                fut.set_result(decode_error(frame.meta))
+            else:
+                raise ControlProtocolError(f"encoder {self.shard} answered {kind.name} with a frame of kind "
+                                           f"{frame.kind}")
+        except ControlProtocolError as exc:
+            log.error("encoder %d: %s", self.shard, exc)
+            fut.set_exception(exc)
+
     def _fail_all(self, why: str) -> None:
         pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        for fut, _ in pending.values():
             if not fut.done():
                 fut.set_exception(EncoderDeadError(why))
 
-    async def request(self, kind: Kind, meta: dict[str, Any], blob: bytes = b"",
-                      timeout: float | None = None) -> dict[str, Any]:
-        """Send a request and wait for its reply.
+    async def request(self, kind: Kind, msg: msgspec.Struct, blob: bytes = b"",
+                      timeout: float | None = None) -> object:
+        """Send a request and wait for its reply: one of ``REPLY_TYPES[kind]``, or an :class:`ErrorReply`.
 
         Raises:
             EncoderDeadError: not connected, or the connection broke before the reply.
             asyncio.TimeoutError: no reply within ``timeout`` seconds.
+            ControlProtocolError: the reply frame could not be decoded.
         """
         w = self._writer
         if w is None:
             raise EncoderDeadError(f"encoder {self.shard} is not connected")
         tag = self._next_tag
         self._next_tag = (tag % 0xFFFFFFF0) + 1
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[tag] = fut
+        fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._pending[tag] = (fut, kind)
         if kind == Kind.POLL:
             self._polls.add(tag)
-        w.write(encode_frame(kind, tag, meta, blob))
+        w.write(encode_frame(kind, tag, msg, blob))
         try:
             if timeout is None:
                 return await fut
@@ -181,25 +228,69 @@ class ControlClient:
             self._pending.pop(tag, None)
             self._polls.discard(tag)
 
-    def release_polls(self, reply: dict[str, Any]) -> int:
+    async def submit(self, req: SubmitRequest, body: bytes, timeout: float | None = None) -> SubmitReply:
+        """SUBMIT: register a sample request whose engine request body (JSON bytes) is ``body``.
+
+        Returns :class:`SubmitAccepted` or :class:`SubmitRefused` (an encoder-side error becomes a
+        refusal with reason ``INTERNAL``).
+
+        Raises:
+            EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
+        """
+        reply = await self.request(Kind.SUBMIT, req, body, timeout)
+        if isinstance(reply, ErrorReply):
+            return SubmitRefused(reason=RefusalReason.INTERNAL, message=reply.message)
+        return reply  # type: ignore[return-value]
+
+    async def poll(self, req: PollRequest, timeout: float | None = None) -> PollReply:
+        """POLL: where a future's result is, held by the encoder up to ``req.timeout`` seconds.
+
+        Returns :class:`PollDone`, :class:`PollPending`, :class:`PollFailed` or :class:`PollGone`
+        (an encoder-side error becomes a failure of category ``server``).
+
+        Raises:
+            EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
+        """
+        reply = await self.request(Kind.POLL, req, timeout=timeout)
+        if isinstance(reply, ErrorReply):
+            return PollFailed(error=reply.message, category="server")
+        return reply  # type: ignore[return-value]
+
+    def delivered(self, fid: str) -> bool:
+        """DELIVERED (one-way): the result of ``fid`` reached a connected client. False if not connected."""
+        return self.send(Kind.DELIVERED, Delivered(fid=fid))
+
+    async def stats(self, timeout: float | None = None) -> StatsReply:
+        """STATS: the shard's counters and gauges.
+
+        Raises:
+            ControlError: the encoder answered with an error.
+            EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
+        """
+        reply = await self.request(Kind.STATS, StatsRequest(), timeout=timeout)
+        if isinstance(reply, ErrorReply):
+            raise ControlError(f"encoder {self.shard} could not answer STATS: {reply.message}")
+        return reply  # type: ignore[return-value]
+
+    def release_polls(self, reply: PollReply) -> int:
         """Answer every POLL still waiting on this connection with ``reply`` (used when draining).
 
         The encoder's own answer, if it comes later, is ignored. Returns how many were released.
         """
         n = 0
         for tag in list(self._polls):
-            fut = self._pending.get(tag)
-            if fut is not None and not fut.done():
-                fut.set_result(dict(reply))
+            waiting = self._pending.get(tag)
+            if waiting is not None and not waiting[0].done():
+                waiting[0].set_result(reply)
                 n += 1
         return n
 
-    def send(self, kind: Kind, meta: dict[str, Any]) -> bool:
-        """Fire-and-forget message; False if not connected."""
+    def send(self, kind: Kind, msg: msgspec.Struct) -> bool:
+        """Fire-and-forget message (tag 0); False if not connected."""
         w = self._writer
         if w is None:
             return False
-        w.write(encode_frame(kind, 0, meta))
+        w.write(encode_frame(kind, 0, msg))
         return True
 
     async def close(self) -> None:
@@ -210,34 +301,46 @@ class ControlClient:
         self._fail_all("control client closed")
 
 
-Handler = Callable[[int, dict[str, Any], bytes], Awaitable[dict[str, Any] | None]]
+Handler = Callable[[msgspec.Struct, bytes], Awaitable["msgspec.Struct | None"]]
 
 
 async def serve_control(path: str, handler: Handler) -> asyncio.AbstractServer:
     """Serve the control protocol on a Unix socket (encoder side).
 
-    ``handler(kind, meta, blob)`` returns the reply meta (or None for one-way
-    kinds). Each request runs in its own task so a held POLL does not block
-    the connection.
+    ``handler(msg, blob)`` gets each request decoded into its :mod:`shardserver.messages` struct
+    and returns the reply struct (None for one-way kinds). Each request runs in its own task so a
+    held POLL does not block the connection. A request that cannot be decoded, or whose handler
+    raises, is answered with an :class:`ErrorReply` in an ERROR frame (when it has a tag); the
+    connection stays up. Only a broken frame length ends the connection.
     """
 
     async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         tasks: set[asyncio.Task[None]] = set()
 
-        async def run_one(kind: int, tag: int, meta: dict[str, Any], blob: bytes) -> None:
+        def answer(tag: int, kind: Kind, reply: msgspec.Struct) -> None:
+            if tag and not writer.is_closing():
+                writer.write(encode_frame(kind, tag, reply))
+
+        async def run_one(msg: msgspec.Struct, tag: int, blob: bytes) -> None:
             try:
-                reply = await handler(kind, meta, blob)
+                reply = await handler(msg, blob)
             except Exception as exc:  # a bug in a handler must not kill the connection
-                log.exception("control handler failed for kind %s", kind)
-                reply = {"state": "failed", "error": f"internal error: {exc}", "category": "server",
-                         "status": 500, "message": f"internal error: {exc}"}
-            if tag and reply is not None and not writer.is_closing():
-                writer.write(encode_frame(Kind.REPLY, tag, reply))
+                log.exception("control handler failed for %s", type(msg).__name__)
+                answer(tag, Kind.ERROR, ErrorReply(message=f"internal error: {exc}"))
+                return
+            if reply is not None:
+                answer(tag, Kind.REPLY, reply)
 
         try:
             while True:
-                kind, tag, meta, blob = await read_frame(reader)
-                t = asyncio.get_running_loop().create_task(run_one(kind, tag, meta, blob))
+                frame = await read_frame(reader)
+                try:
+                    msg = decode_request(frame.kind, frame.meta)
+                except ControlProtocolError as exc:
+                    log.error("control: %s", exc)
+                    answer(frame.tag, Kind.ERROR, ErrorReply(message=str(exc)))
+                    continue
+                t = asyncio.get_running_loop().create_task(run_one(msg, frame.tag, frame.blob))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):

@@ -1,7 +1,7 @@
 """Exception hierarchy of shardserver.
 
-Every error that crosses a process boundary is sent as a string code plus a
-message (see :mod:`shardserver.control`), never as a pickled exception; the
+Every error that crosses a process boundary is sent as a typed reply (a reason or
+category plus a message, see :mod:`shardserver.messages`), never as a pickled exception; the
 classes here are what each process raises locally.
 """
 
@@ -15,6 +15,7 @@ __all__ = [
     "ArenaFullError",
     "SlotInvalidError",
     "EncoderDeadError",
+    "ControlError",
 ]
 
 
@@ -85,3 +86,8 @@ class SlotInvalidError(ShardServerError):
 
 class EncoderDeadError(ShardServerError):
     """The encoder process that owns a shard died; its futures are lost."""
+
+
+class ControlError(ShardServerError):
+    """An encoder answered a control request with an error (an ``ErrorReply``: it could not
+    decode the request, or its handler failed)."""

@@ -26,6 +26,7 @@ import aiohttp
 
 from .aio import cancel_and_wait
 from .config import engine_base_url, mask_url, mask_urls_in
+from .messages import EngineReachability
 
 __all__ = ["EngineProbe", "readiness"]
 
@@ -101,10 +102,10 @@ class EngineProbe:
         self.ok, self.reason, self.checked_at = ok, reason, time.monotonic()
         return ok
 
-    def state(self) -> dict[str, Any]:
-        """``{"ok": bool | None, "reason": str, "age_s": float | None}`` (None: not probed yet)."""
-        return {"ok": self.ok, "reason": self.reason,
-                "age_s": round(time.monotonic() - self.checked_at, 3) if self.checked_at else None}
+    def state(self) -> EngineReachability:
+        """The last probe's result (``ok`` None: not probed yet; ``age_s`` in seconds, None before the first)."""
+        return EngineReachability(ok=self.ok, reason=self.reason,
+                                  age_s=round(time.monotonic() - self.checked_at, 3) if self.checked_at else None)
 
 
 async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict[str, Any]]:

@@ -400,21 +400,23 @@ def render(shard_replies: list[dict[str, Any]]) -> bytes:
 
 
 async def gather_stats(clients: list[Any], timeout: float = 2.0) -> list[dict[str, Any]]:
-    """STATS of every shard (``{"shard": s, "error": ...}`` for one that is down or slow).
+    """STATS of every shard as plain dicts (the fields of :class:`shardserver.messages.StatsReply`),
+    or ``{"shard": s, "error": ...}`` for one that is down, slow or failing.
 
     Args:
         clients: the front-end's :class:`shardserver.control.ControlClient` list.
         timeout: seconds to wait for each reply.
     """
-    from .control import Kind
-    from .errors import EncoderDeadError
+    import msgspec
+
+    from .errors import ControlError, EncoderDeadError
 
     async def one(c: Any) -> dict[str, Any]:
         if not c.connected:
             return {"shard": c.shard, "error": f"encoder {c.shard} is not connected"}
         try:
-            return await c.request(Kind.STATS, {}, timeout=timeout)
-        except EncoderDeadError as exc:
+            return msgspec.to_builtins(await c.stats(timeout=timeout))
+        except (EncoderDeadError, ControlError) as exc:
             return {"shard": c.shard, "error": str(exc)}
         except asyncio.TimeoutError:
             return {"shard": c.shard, "error": f"encoder {c.shard} did not answer STATS within {timeout} s"}

@@ -16,9 +16,11 @@ import pytest
 from shardserver.config import config_from_mapping
 from shardserver.engine_sim import SimConfig, render_completion
 from shardserver.ids import IdSigner
+from shardserver.messages import RefusalReason, SubmitRefused, SubmitRequest
 from shardserver.metrics import future_stages
 from shardserver.shm.arena import ArenaWriter, create_segment, segment_name, unlink_segment
 from shardserver.workers.encoder import EncoderCore
+from shardserver.api.sampling import REFUSAL_STATUS
 
 SIM = SimConfig.from_mapping({"model_name": "m"})
 
@@ -49,11 +51,11 @@ def core():
     unlink_segment(name)
 
 
-def _meta(seq: int, max_tokens: int, n: int = 1) -> tuple[dict, bytes]:
+def _meta(seq: int, max_tokens: int, n: int = 1) -> tuple[SubmitRequest, bytes]:
     body = {"model": "m", "prompt": [seq % 50, 7], "n": n, "max_tokens": max_tokens, "temperature": 1.0,
             "top_p": 1.0, "top_k": -1, "logprobs": 1, "return_token_ids": True, "seed": seq}
-    meta = {"sid": "s", "seq": seq, "owner": "", "n": n, "prompt_logprobs": False, "topk": 0,
-            "reserve_bytes": n * (8 * max_tokens + 32) + 32}
+    meta = SubmitRequest(sid="s", seq=seq, owner="", n=n, prompt_logprobs=False, topk=0,
+                         reserve_bytes=n * (8 * max_tokens + 32) + 32)
     return meta, json.dumps(body).encode()
 
 
@@ -65,7 +67,7 @@ def _check_stages(c: EncoderCore) -> None:
 def test_reserve_then_shrink_keeps_exact_bytes(core):
     async def go():
         meta, body = _meta(1, 1000)
-        rid = core.submit(meta, body)["request_id"]
+        rid = core.submit(meta, body).request_id
         reserved = ArenaWriter.slot_bytes(8 * 1000 + 64)
         assert core.reserved_bytes == reserved and core.arena.used_bytes == reserved
         _check_stages(core)
@@ -86,7 +88,7 @@ def test_fragmented_arena_never_fails_an_accepted_request(core):
         rids = []
         for i in range(4):  # 4 x ~240 KB in a 1 MiB arena
             meta, body = _meta(i, 30000)
-            rids.append(core.submit(meta, body)["request_id"])
+            rids.append(core.submit(meta, body).request_id)
         await asyncio.sleep(0.3)
         assert [core.table[r].state for r in rids] == ["done"] * 4
         core.delivered_ok(rids[0])
@@ -94,11 +96,12 @@ def test_fragmented_arena_never_fails_an_accepted_request(core):
         _check_stages(core)
         meta, body = _meta(10, 30000, n=2)  # ~480 KB: needs two adjacent holes, which do not exist
         reply = core.submit(meta, body)
-        assert reply["status"] == 429 and "no free block" in reply["message"]
+        assert isinstance(reply, SubmitRefused) and reply.reason is RefusalReason.NO_ROOM
+        assert REFUSAL_STATUS[reply.reason] == 429 and "no free block" in reply.message
         assert core.counters["evicted"] == 2  # both delivered ones went; undelivered B and D stay
         assert core.table[rids[1]].state == core.table[rids[3]].state == "done"
         meta, body = _meta(11, 30000)  # a ~240 KB request fits in a freed hole
-        rid = core.submit(meta, body)["request_id"]
+        rid = core.submit(meta, body).request_id
         await asyncio.sleep(0.3)
         assert core.table[rid].state == "done"
         assert core.counters.get("failed_server", 0) == 0
@@ -111,11 +114,11 @@ def test_sweep_drops_expired_and_counts_stay_consistent(core):
     async def go():
         core.engine.gate = asyncio.Event()
         pending_meta, body = _meta(20, 10)
-        pending = core.submit(pending_meta, body)["request_id"]
+        pending = core.submit(pending_meta, body).request_id
         core.engine.gate.set()
         await asyncio.sleep(0.05)
         meta, body = _meta(21, 10)
-        done = core.submit(meta, body)["request_id"]
+        done = core.submit(meta, body).request_id
         await asyncio.sleep(0.05)
         core.delivered_ok(done)
         _check_stages(core)

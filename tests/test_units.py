@@ -12,6 +12,7 @@ import pytest
 
 from shardserver.config import config_from_mapping, load_config
 from shardserver.control import Kind, encode_frame, read_frame
+from shardserver.messages import SubmitAccepted, SubmitRequest, decode_reply, decode_request
 from shardserver.errors import ConfigError, SlotInvalidError
 from shardserver.ids import FutureIdStatus, IdSigner, SamplingSession, shard_of
 from shardserver.shm.arena import (
@@ -221,14 +222,17 @@ def test_remove_stale_segments_only_removes_dead_runs():
 def test_control_frame_roundtrip():
     async def go():
         r = asyncio.StreamReader()
-        r.feed_data(encode_frame(Kind.SUBMIT, 7, {"sid": "a", "seq": 1}, b"\x00body"))
-        r.feed_data(encode_frame(Kind.REPLY, 7, {"request_id": "x"}))
+        r.feed_data(encode_frame(Kind.SUBMIT, 7, SubmitRequest(sid="a", seq=1, n=1, reserve_bytes=64), b"\x00body"))
+        r.feed_data(encode_frame(Kind.REPLY, 7, SubmitAccepted(request_id="x")))
         r.feed_eof()
         return await read_frame(r), await read_frame(r)
 
     a, b = asyncio.run(go())
-    assert a == (Kind.SUBMIT, 7, {"sid": "a", "seq": 1}, b"\x00body")
-    assert b == (Kind.REPLY, 7, {"request_id": "x"}, b"")
+    assert (a.kind, a.tag, a.blob) == (Kind.SUBMIT, 7, b"\x00body")
+    req = decode_request(a.kind, a.meta)
+    assert (req.sid, req.seq) == ("a", 1)
+    assert (b.kind, b.tag, b.blob) == (Kind.REPLY, 7, b"")
+    assert decode_reply(Kind.SUBMIT, b.meta) == SubmitAccepted(request_id="x")
 
 
 def _churn_writer(name: str, conn, seconds: float) -> None:

@@ -12,11 +12,11 @@ import asyncio
 import os
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..control import Kind
-from ..errors import EncoderDeadError
+from ..errors import ControlError, EncoderDeadError
 from ..health import readiness
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..metrics import metrics_body
@@ -67,8 +67,8 @@ async def stats(request: Request) -> JSONResponse:
     shards_out: list[Any] = []
     for c in ctx.clients:
         try:
-            shards_out.append(await c.request(Kind.STATS, {}, timeout=5))
-        except (EncoderDeadError, asyncio.TimeoutError) as exc:
+            shards_out.append(msgspec.to_builtins(await c.stats(timeout=5)))
+        except (EncoderDeadError, ControlError, asyncio.TimeoutError) as exc:
             shards_out.append({"shard": c.shard, "error": str(exc)})
     return JSONResponse({"front_end": ctx.index, "pid": os.getpid(), "counters": ctx.counters,
                          "shards": shards_out}, headers=ctx.fe_header)

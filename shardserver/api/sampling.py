@@ -17,27 +17,43 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..codec import max_sample_response_size, sample_response_to_json
 from ..config import EngineConfig
-from ..control import Kind
 from ..engine_request import completion_request_body
 from ..errors import EncoderDeadError, SlotInvalidError
 from ..ids import FutureIdStatus, shard_of
+from ..messages import (
+    PollDone,
+    PollFailed,
+    PollPending,
+    PollRequest,
+    RefusalReason,
+    ResultForm,
+    SubmitRefused,
+    SubmitRequest,
+)
 from .auth import owner_of
 from .common import error, read_json
 from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
 from .state import FrontendContext, context
 
-__all__ = ["router", "PROTO_MEDIA_TYPE", "ResultResponse", "asample", "retrieve_future"]
+__all__ = ["router", "PROTO_MEDIA_TYPE", "REFUSAL_STATUS", "ResultResponse", "asample", "retrieve_future"]
 
 log = logging.getLogger("shardserver.frontend")
 
 PROTO_MEDIA_TYPE = "application/x-protobuf"
+
+# The HTTP status of each SUBMIT refusal (429: the SDK retries after Retry-After).
+REFUSAL_STATUS = {
+    RefusalReason.NO_ROOM: 429,
+    RefusalReason.TOO_LARGE: 400,
+    RefusalReason.INVALID: 400,
+    RefusalReason.INTERNAL: 500,
+}
 
 router = APIRouter()
 
@@ -144,33 +160,32 @@ async def asample(request: Request) -> JSONResponse:
     seq = req.seq_id if req.seq_id is not None else int.from_bytes(os.urandom(6), "little") + 10**15
     key = f"{req.sampling_session_id}#{seq}"
     shard = shard_of(key, cfg.shards.count)
-    meta = {"sid": req.sampling_session_id, "seq": seq, "owner": owner_of(request), "n": n,
-            "prompt_logprobs": want_plp, "topk": topk, "reserve_bytes": reserve}
-    if want_plp:
-        meta["prompt"] = tokens
-    return await _submit(ctx, shard, meta, body, n)
+    submit = SubmitRequest(sid=req.sampling_session_id, seq=seq, owner=owner_of(request), n=n,
+                           prompt_logprobs=want_plp, topk=topk, reserve_bytes=reserve,
+                           prompt=tokens if want_plp else None)
+    return await _submit(ctx, shard, submit, body, n)
 
 
-async def _submit(ctx: FrontendContext, shard: int, meta: dict[str, Any], body: bytes, n: int) -> JSONResponse:
+async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body: bytes, n: int) -> JSONResponse:
     """SUBMIT to ``shard`` and answer: 200 with the future ID, 503 when the shard is down (retry),
-    or the shard's refusal (429 with ``Retry-After: 1`` when its arena has no room, 400 when the
-    result could never fit)."""
+    or the shard's refusal with the status of :data:`REFUSAL_STATUS` (429 with ``Retry-After: 1``
+    when its arena has no room, 400 when the result could never fit)."""
     fe_header = ctx.fe_header
     try:
-        reply = await ctx.clients[shard].request(Kind.SUBMIT, meta, body, timeout=30)
+        reply = await ctx.clients[shard].submit(submit, body, timeout=30)
     except (EncoderDeadError, asyncio.TimeoutError) as exc:
         ctx.count("asample_503")
         return JSONResponse({"error": f"shard {shard} unavailable: {exc}; retry"}, status_code=503,
                             headers=fe_header)
-    if "request_id" not in reply:
-        status = int(reply.get("status", 500))
+    if isinstance(reply, SubmitRefused):
+        status = REFUSAL_STATUS[reply.reason]
         ctx.count(f"asample_{status}")
         hdrs = dict(fe_header)
         if status == 429:
             hdrs["Retry-After"] = "1"
-        return JSONResponse({"error": reply.get("message", "rejected")}, status_code=status, headers=hdrs)
+        return JSONResponse({"error": reply.message}, status_code=status, headers=hdrs)
     ctx.count("asample_ok")
-    rid = reply["request_id"]
+    rid = reply.request_id
     return JSONResponse({"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]},
                         headers={**fe_header, "X-Shardserver-Shard": str(shard)})
 
@@ -198,46 +213,44 @@ async def retrieve_future(request: Request) -> Response:
         return JSONResponse({"error": "future was issued by an earlier run of the server; resubmit"},
                             status_code=410, headers=fe_header)
     shard = shard_of(fid, shards)
-    want = "proto" if PROTO_MEDIA_TYPE in request.headers.get("accept", "") else "json"
+    want = ResultForm.PROTO if PROTO_MEDIA_TYPE in request.headers.get("accept", "") else ResultForm.JSON
     client = ctx.clients[shard]
     t0 = time.monotonic()
     for _attempt in range(3):
         try:
-            reply = await client.request(
-                Kind.POLL, {"fid": fid, "timeout": 0 if ctx.draining else cfg.futures.long_poll_s, "want": want},
+            reply = await client.poll(
+                PollRequest(fid=fid, timeout=0 if ctx.draining else cfg.futures.long_poll_s, want=want),
                 timeout=cfg.futures.long_poll_s + 15)
         except EncoderDeadError as exc:
             ctx.count("retrieve_410")
             return JSONResponse({"error": f"shard {shard} lost its state ({exc}); resubmit"},
                                 status_code=410, headers=fe_header)
         except asyncio.TimeoutError:
-            reply = {"state": "pending"}
-        state = reply.get("state")
-        if state == "done":
+            reply = PollPending()
+        if isinstance(reply, PollDone):
             try:
-                data = ctx.reader(reply["arena"]).read(reply["off"], reply["len"], reply["gen"])
+                data = ctx.reader(reply.arena).read(reply.offset, reply.length, reply.generation)
             except (SlotInvalidError, FileNotFoundError) as exc:
                 log.debug("re-polling %s after a stale read: %s", fid, exc)
                 continue
-            if want == "json" and reply.get("form") == "proto":
+            if want == ResultForm.JSON and reply.form == ResultForm.PROTO:
                 data = sample_response_to_json(data)
             ctx.count("retrieve_done")
             ctx.count("bytes_delivered", len(data))
             return ResultResponse(
-                data, PROTO_MEDIA_TYPE if want == "proto" else "application/json",
-                lambda: client.send(Kind.DELIVERED, {"fid": fid}),
+                data, PROTO_MEDIA_TYPE if want == ResultForm.PROTO else "application/json",
+                lambda: client.delivered(fid),
                 headers={**fe_header, "X-Shardserver-Shard": str(shard)})
-        if state == "pending":
+        if isinstance(reply, PollPending):
             ctx.count("retrieve_408")
             return JSONResponse({"type": "try_again", "request_id": fid, "queue_state": "active"},
                                 status_code=408, headers=fe_header)
-        if state == "failed":
+        if isinstance(reply, PollFailed):
             ctx.count("retrieve_failed")
-            client.send(Kind.DELIVERED, {"fid": fid})
-            return JSONResponse({"error": reply.get("error", "failed"), "category": reply.get("category", "unknown")},
-                                headers=fe_header)
-        ctx.count("retrieve_410")
-        return JSONResponse({"error": f"future {reply.get('reason', 'is gone')}; resubmit"},
+            client.delivered(fid)
+            return JSONResponse({"error": reply.error, "category": reply.category}, headers=fe_header)
+        ctx.count("retrieve_410")  # PollGone
+        return JSONResponse({"error": f"future {reply.reason}; resubmit"},
                             status_code=410, headers=fe_header)
     ctx.count("retrieve_410")
     log.warning("future %s: arena slot kept changing during reads (%.3f s)", fid, time.monotonic() - t0)

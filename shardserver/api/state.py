@@ -14,6 +14,7 @@ from fastapi import Request
 from ..config import Config
 from ..control import ControlClient
 from ..ids import IdSigner
+from ..messages import PollPending
 from ..metrics import FrontendCounters
 from ..shm.arena import ArenaReader
 from .auth import KeyTable
@@ -77,7 +78,7 @@ class FrontendContext:
         """Shutdown has begun: release held polls (they answer 408 try_again) and refuse new holds."""
         self.draining = True
         for c in self.clients:
-            c.release_polls({"state": "pending", "draining": True})
+            c.release_polls(PollPending(draining=True))
 
     async def stop(self) -> None:
         for c in self.clients:

@@ -35,10 +35,29 @@ import numpy as np
 
 from ..codec import CompletionDecoder, encode_sample_response, sample_response_size, sample_response_to_json
 from ..config import Config, mask_url
-from ..control import Kind, serve_control
+from ..control import serve_control
 from ..engine_client import EngineClient
 from ..errors import EngineBodyError, EngineError
 from ..ids import IdSigner
+from ..messages import (
+    Delivered,
+    ErrorReply,
+    FutureState,
+    PollDone,
+    PollFailed,
+    PollGone,
+    PollPending,
+    PollReply,
+    PollRequest,
+    RefusalReason,
+    ResultForm,
+    StatsReply,
+    StatsRequest,
+    SubmitAccepted,
+    SubmitRefused,
+    SubmitReply,
+    SubmitRequest,
+)
 from ..metrics import EncoderTimers, ShardCounters
 from ..shm.arena import ArenaWriter, Slot
 
@@ -46,7 +65,7 @@ __all__ = ["EncoderCore", "EncoderProc", "FutureEntry"]
 
 log = logging.getLogger("shardserver.encoder")
 
-PENDING, DONE, FAILED, GONE = "pending", "done", "failed", "gone"
+PENDING, DONE, FAILED, GONE = FutureState.PENDING, FutureState.DONE, FutureState.FAILED, FutureState.GONE
 
 
 @dataclass(slots=True, eq=False)
@@ -55,7 +74,7 @@ class FutureEntry:
 
     fid: str
     key: tuple[str, int] | None
-    state: str = PENDING
+    state: FutureState = PENDING
     created: float = 0.0
     deadline: float = 0.0
     reserve: Slot | None = None   # arena slot reserved at SUBMIT for the largest possible result
@@ -107,7 +126,7 @@ class EncoderCore:
         self._heap_seq += 1
         heapq.heappush(self._heap, (e.deadline, self._heap_seq, e.fid))
 
-    def _set_state(self, e: FutureEntry, state: str) -> None:
+    def _set_state(self, e: FutureEntry, state: FutureState) -> None:
         """Move a future (still in the table) to ``state``, keeping the per-state counts that
         STATS reports (O(1) per scrape instead of a walk over every future)."""
         if e.fid in self.table:
@@ -172,34 +191,34 @@ class EncoderCore:
                 self.delivered.move_to_end(keep, last=False)
 
     # -- SUBMIT --------------------------------------------------------------------------
-    def submit(self, meta: dict[str, Any], body: bytes) -> dict[str, Any]:
+    def submit(self, req: SubmitRequest, body: bytes) -> SubmitReply:
         """Register a sample request and start its engine call.
 
-        ``meta``: sid (str), seq (int), owner (str), n (int), prompt_logprobs (bool), topk (int),
-        reserve_bytes (int: the largest SampleResponse this request can produce), prompt
-        (list[int] or absent). ``body``: the engine request JSON bytes.
+        ``req``: the SUBMIT message (``reserve_bytes`` is the largest SampleResponse this request
+        can produce). ``body``: the engine request JSON bytes.
 
-        Returns ``{"request_id": fid}`` (also for a duplicate (sid, seq)), or
-        ``{"status": 429|400, "message": ...}`` when the arena cannot take the reservation.
+        Returns :class:`SubmitAccepted` (also for a duplicate (sid, seq), with ``duplicate``), or
+        :class:`SubmitRefused` with reason NO_ROOM (no free arena block for the reservation, even
+        after evicting delivered results), TOO_LARGE (the reservation exceeds the whole arena) or
+        INVALID (the prompt cannot be held as int32 tokens).
         """
-        key = (meta["sid"], int(meta["seq"]))
+        key = (req.sid, req.seq)
         fid = self.by_key.get(key)
         if fid is not None and fid in self.table:
             self.counters["deduplicated"] += 1
-            return {"request_id": fid, "duplicate": True}
+            return SubmitAccepted(request_id=fid, duplicate=True)
         # Everything that can fail happens before the table or the arena is touched.
-        prompt = meta.get("prompt")
         try:
-            prompt_arr = np.asarray(prompt, dtype=np.int32) if prompt is not None else None
-            n, want_plp, topk = int(meta["n"]), bool(meta.get("prompt_logprobs")), int(meta.get("topk", 0))
+            prompt_arr = np.asarray(req.prompt, dtype=np.int32) if req.prompt is not None else None
         except (OverflowError, ValueError, TypeError) as exc:
-            return {"status": 400, "message": f"invalid sample request: {exc}"}
-        payload = int(meta["reserve_bytes"])
+            return SubmitRefused(reason=RefusalReason.INVALID, message=f"invalid sample request: {exc}")
+        n, want_plp, topk = req.n, req.prompt_logprobs, req.topk
+        payload = req.reserve_bytes
         need = ArenaWriter.slot_bytes(payload)
         if need > self.arena.size:
-            return {"status": 400, "message": (
+            return SubmitRefused(reason=RefusalReason.TOO_LARGE, message=(
                 f"the result of this request can reach {need} bytes, more than the shard's arena "
-                f"({self.arena.size} bytes, shards.arena_bytes); lower max_tokens or num_samples")}
+                f"({self.arena.size} bytes, shards.arena_bytes); lower max_tokens or num_samples"))
         # Reserve a real, contiguous slot now: the completion writes into it and gives back the
         # tail, so it can never fail for lack of (contiguous) space.
         slot = self.arena.alloc(payload)
@@ -207,11 +226,11 @@ class EncoderCore:
             slot = self.arena.alloc(payload)
         if slot is None:
             self.counters["rejected_429"] += 1
-            return {"status": 429, "message": (
+            return SubmitRefused(reason=RefusalReason.NO_ROOM, message=(
                 f"shard {self.shard} arena has no free block of {need} bytes "
                 f"({self.arena.used_bytes - self.reserved_bytes} bytes of results, {self.reserved_bytes} reserved, "
-                f"{self.arena.size} in all); retry later")}
-        fid = self.signer.mint_future_id(self.shard, self.cfg.shards.count, meta.get("owner", ""))
+                f"{self.arena.size} in all); retry later"))
+        fid = self.signer.mint_future_id(self.shard, self.cfg.shards.count, req.owner)
         e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserve=slot)
         self.reserved_bytes += slot.capacity
         self.table[fid] = e
@@ -219,9 +238,9 @@ class EncoderCore:
         self.by_key[key] = fid
         self._set_deadline(e, self.cfg.futures.pending_ttl_s)
         e.task = asyncio.get_running_loop().create_task(
-            self._run(e, body, meta["sid"], n, want_plp, topk, prompt_arr), name=f"engine-call-{fid[:16]}")
+            self._run(e, body, req.sid, n, want_plp, topk, prompt_arr), name=f"engine-call-{fid[:16]}")
         self.counters["submitted"] += 1
-        return {"request_id": fid}
+        return SubmitAccepted(request_id=fid)
 
     async def _run(self, e: FutureEntry, body: bytes, sid: str, n: int, want_plp: bool, topk: int,
                    prompt: np.ndarray | None) -> None:
@@ -324,14 +343,13 @@ class EncoderCore:
         self._wake(e)
 
     # -- POLL ----------------------------------------------------------------------------
-    async def poll(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """Answer where a future's bytes are, waiting up to ``meta["timeout"]`` s while it is pending."""
-        fid = meta["fid"]
-        e = self.table.get(fid)
+    async def poll(self, req: PollRequest) -> PollReply:
+        """Answer where a future's bytes are, waiting up to ``req.timeout`` s while it is pending."""
+        e = self.table.get(req.fid)
         if e is None:
-            return {"state": GONE, "reason": "unknown or expired future (its result was not kept)"}
+            return PollGone(reason="unknown or expired future (its result was not kept)")
         if e.state == PENDING:
-            timeout = min(float(meta.get("timeout", 0)), self.cfg.futures.long_poll_s)
+            timeout = min(req.timeout, self.cfg.futures.long_poll_s)
             if timeout > 0:
                 w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 e.waiters.append(w)
@@ -342,17 +360,17 @@ class EncoderCore:
                 finally:
                     if w in e.waiters:
                         e.waiters.remove(w)
-        return self._answer(e, meta.get("want", "proto"))
+        return self._answer(e, req.want)
 
-    def _answer(self, e: FutureEntry, want: str) -> dict[str, Any]:
+    def _answer(self, e: FutureEntry, want: ResultForm) -> PollReply:
         if e.state == PENDING:
-            return {"state": PENDING}
+            return PollPending()
         if e.state == FAILED:
-            return {"state": FAILED, "error": e.error, "category": e.category}
+            return PollFailed(error=e.error, category=e.category)  # type: ignore[arg-type]
         if e.state == GONE or e.slot is None:
-            return {"state": GONE, "reason": e.gone_reason or "result no longer held"}
+            return PollGone(reason=e.gone_reason or "result no longer held")
         slot = e.slot
-        if want == "json":
+        if want == ResultForm.JSON:
             if e.json_slot is None:
                 js = sample_response_to_json(self.arena.read(e.slot))
                 e.json_slot = self.arena.write(js)
@@ -364,11 +382,11 @@ class EncoderCore:
                     # No room to cache the JSON form: hand out the proto and let the front-end
                     # derive JSON from it for this one response.
                     self.counters["json_uncached"] += 1
-                    return {"state": DONE, "arena": self.arena.name, "off": slot.offset, "len": slot.length,
-                            "gen": slot.generation, "form": "proto"}
+                    return PollDone(arena=self.arena.name, offset=slot.offset, length=slot.length,
+                                    generation=slot.generation, form=ResultForm.PROTO)
             slot = e.json_slot
-        return {"state": DONE, "arena": self.arena.name, "off": slot.offset, "len": slot.length,
-                "gen": slot.generation, "form": want}
+        return PollDone(arena=self.arena.name, offset=slot.offset, length=slot.length,
+                        generation=slot.generation, form=want)
 
     def delivered_ok(self, fid: str) -> None:
         """The front-end sent this future's result to a connected client: start the retrieved TTL."""
@@ -408,34 +426,35 @@ class EncoderCore:
         return {"pending": sc[PENDING], "completed": sc[DONE] + sc[FAILED] - self.delivered_count,
                 "retrieved": self.delivered_count, "gone": sc[GONE]}
 
-    def stats(self) -> dict[str, Any]:
-        states = {k: v for k, v in self.state_counts.items() if v}
-        return {
-            "shard": self.shard,
-            "pid": os.getpid(),
-            "futures": states,
-            "delivered_held": len(self.delivered),
-            "arena_bytes": self.arena.size,
-            "arena_used_bytes": self.arena.used_bytes - self.reserved_bytes,  # results (proto + JSON)
-            "arena_reserved_bytes": self.reserved_bytes,
-            "decode_encode_s": self.decode_encode_s,
-            "counters": dict(self.counters),
-            "stages": self.stages(),
-            "engine": self.engine_probe.state() if self.engine_probe is not None else None,
-        }
+    def stats(self) -> StatsReply:
+        """The STATS reply: counters and gauges of this shard."""
+        states = {k.value: v for k, v in self.state_counts.items() if v}
+        return StatsReply(
+            shard=self.shard,
+            pid=os.getpid(),
+            futures=states,
+            delivered_held=len(self.delivered),
+            arena_bytes=self.arena.size,
+            arena_used_bytes=self.arena.used_bytes - self.reserved_bytes,  # results (proto + JSON)
+            arena_reserved_bytes=self.reserved_bytes,
+            decode_encode_s=self.decode_encode_s,
+            counters=dict(self.counters),
+            stages=self.stages(),
+            engine=self.engine_probe.state() if self.engine_probe is not None else None,
+        )
 
-    async def handle(self, kind: int, meta: dict[str, Any], blob: bytes) -> dict[str, Any] | None:
-        """Dispatch one control message (see :mod:`shardserver.control`)."""
-        if kind == Kind.POLL:
-            return await self.poll(meta)
-        if kind == Kind.SUBMIT:
-            return self.submit(meta, blob)
-        if kind == Kind.DELIVERED:
-            self.delivered_ok(meta["fid"])
+    async def handle(self, msg: object, blob: bytes) -> SubmitReply | PollReply | StatsReply | ErrorReply | None:
+        """Dispatch one decoded control message (see :mod:`shardserver.control`); None for DELIVERED."""
+        if isinstance(msg, PollRequest):
+            return await self.poll(msg)
+        if isinstance(msg, SubmitRequest):
+            return self.submit(msg, blob)
+        if isinstance(msg, Delivered):
+            self.delivered_ok(msg.fid)
             return None
-        if kind == Kind.STATS:
+        if isinstance(msg, StatsRequest):
             return self.stats()
-        return {"state": FAILED, "error": f"unknown control message kind {kind}", "category": "server"}
+        return ErrorReply(message=f"unhandled control message {type(msg).__name__}")
 
     def fail_all(self, why: str) -> None:
         for e in list(self.table.values()):
