@@ -16,7 +16,7 @@ import pytest
 from shardserver.config import config_from_mapping
 from shardserver.engine_sim import SimConfig, render_completion
 from shardserver.ids import IdSigner
-from shardserver.messages import RefusalReason, SubmitRefused, SubmitRequest
+from shardserver.messages import PollGone, PollRequest, RefusalReason, SubmitRefused, SubmitRequest
 from shardserver.metrics import future_stages
 from shardserver.shm.arena import ArenaWriter, create_segment, segment_name, unlink_segment
 from shardserver.workers.encoder import EncoderCore
@@ -131,3 +131,31 @@ def test_sweep_drops_expired_and_counts_stay_consistent(core):
         _check_stages(core)
 
     asyncio.run(go())
+
+
+def test_close_ends_pending_futures_and_engine_calls(core):
+    async def go():
+        core.engine.gate = asyncio.Event()  # the engine never answers
+        meta, body = _meta(30, 10)
+        rid = core.submit(meta, body).request_id
+        await asyncio.sleep(0.01)
+        task = core.table[rid].task
+        core.close("server shutting down")
+        await asyncio.sleep(0)
+        assert task.cancelled()
+        assert core.table[rid].state == "gone" and core.table[rid].gone_reason == "server shutting down"
+        assert core.reserved_bytes == 0 and core.arena.used_bytes == 0
+        assert await core.poll(PollRequest(fid=rid)) == PollGone(reason="server shutting down")
+        _check_stages(core)
+
+    asyncio.run(go())
+
+
+def test_engine_probe_is_a_constructor_argument(core):
+    from shardserver.health import EngineProbe
+
+    assert core.stats().engine is None  # no probe: readiness does not wait for this shard
+    probe = EngineProbe("http://127.0.0.1:9", interval_s=0, timeout_s=1, shard=0)  # probing disabled
+    c = EncoderCore(core.cfg, 0, core.arena, core.engine, core.signer, engine_probe=probe)
+    eng = c.stats().engine
+    assert (eng.ok, eng.reason, eng.age_s) == (True, "engine probing disabled (engine.health_interval_s = 0)", None)

@@ -29,7 +29,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -60,6 +60,9 @@ from ..messages import (
 )
 from ..metrics import EncoderTimers, ShardCounters
 from ..shm.arena import ArenaWriter, Slot
+
+if TYPE_CHECKING:
+    from ..health import EngineProbe
 
 __all__ = ["EncoderCore", "EncoderProc", "FutureEntry"]
 
@@ -97,9 +100,16 @@ class EncoderCore:
         arena: the writer of this shard's arena.
         engine: a started :class:`EngineClient`.
         signer: mints future IDs that hash to this shard.
+        engine_probe: the engine reachability probe whose last result STATS reports (``/readyz``
+            waits for it); None: this shard does not probe (STATS ``engine`` is None and
+            readiness does not wait for it). The caller starts and closes it.
+
+    The arena, the engine client and the probe stay the caller's: :meth:`close` ends only the
+    shard's own work.
     """
 
-    def __init__(self, cfg: Config, shard: int, arena: ArenaWriter, engine: EngineClient, signer: IdSigner) -> None:
+    def __init__(self, cfg: Config, shard: int, arena: ArenaWriter, engine: EngineClient, signer: IdSigner,
+                 engine_probe: EngineProbe | None = None) -> None:
         self.cfg = cfg
         self.shard = shard
         self.arena = arena
@@ -118,7 +128,7 @@ class EncoderCore:
         self.counters: collections.Counter[str] = ShardCounters(shard)  # also feeds Prometheus
         self.decode_encode_s = 0.0
         self.timers = EncoderTimers()
-        self.engine_probe = None  # a shardserver.health.EngineProbe, set by EncoderProc
+        self.engine_probe = engine_probe
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float) -> None:
@@ -456,10 +466,15 @@ class EncoderCore:
             return self.stats()
         return ErrorReply(message=f"unhandled control message {type(msg).__name__}")
 
-    def fail_all(self, why: str) -> None:
+    def close(self, why: str = "server shutting down") -> None:
+        """Stop the shard's work: every pending future goes GONE with ``why`` (waiting polls answer
+        410) and every engine call still running is cancelled. Results already in the arena stay."""
         for e in list(self.table.values()):
             if e.state == PENDING:
                 self._gone(e, why)
+        for e in list(self.table.values()):
+            if e.task is not None:
+                e.task.cancel()
 
 
 class EncoderProc:
@@ -491,11 +506,10 @@ class EncoderProc:
         arena = ArenaWriter(arena_name)
         engine = EngineClient(cfg.engine, engine_url)
         await engine.start()
-        core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id))
         from ..health import EngineProbe
 
-        core.engine_probe = probe = EngineProbe(engine_url, cfg.engine.health_interval_s,
-                                                cfg.engine.connect_timeout_s, shard)
+        probe = EngineProbe(engine_url, cfg.engine.health_interval_s, cfg.engine.connect_timeout_s, shard)
+        core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id), engine_probe=probe)
         probe.start()  # the first probe runs at once; /readyz waits for it
         try:
             os.unlink(sock_path)
@@ -521,10 +535,7 @@ class EncoderProc:
         finally:
             sweep_task.cancel()
             server.close()
-            core.fail_all("server shutting down")
-            for e in list(core.table.values()):
-                if e.task is not None:
-                    e.task.cancel()
+            core.close("server shutting down")
             await probe.close()
             await engine.close()
             try:
