@@ -116,8 +116,8 @@ class ControlClient:
     """A front-end's connection to one encoder, with request/reply matching and reconnects.
 
     The typed calls (:meth:`submit`, :meth:`poll`, :meth:`delivered`, :meth:`stats`) are what
-    the HTTP handlers use; an :class:`ErrorReply` from the encoder is folded into each call's
-    own reply type.
+    the HTTP handlers use; an :class:`~shardserver.messages.ErrorReply` from the encoder is
+    folded into each call's own reply type.
 
     Args:
         path: the encoder's Unix socket.
@@ -182,7 +182,7 @@ class ControlClient:
 
     def _answer(self, fut: asyncio.Future[object], kind: Kind, frame: Frame) -> None:
         """Resolve one request's future with its decoded reply (a malformed reply fails only that
-        request, with a :class:`ControlProtocolError`)."""
+        request, with a :class:`~shardserver.messages.ControlProtocolError`)."""
         try:
             if frame.kind == Kind.REPLY:
                 fut.set_result(decode_reply(kind, frame.meta))
@@ -203,7 +203,8 @@ class ControlClient:
 
     async def request(self, kind: Kind, msg: msgspec.Struct, blob: bytes = b"",
                       timeout: float | None = None) -> object:
-        """Send a request and wait for its reply: one of ``REPLY_TYPES[kind]``, or an :class:`ErrorReply`.
+        """Send a request and wait for its reply: one of ``REPLY_TYPES[kind]``
+        (:mod:`shardserver.messages`), or an :class:`~shardserver.messages.ErrorReply`.
 
         Raises:
             EncoderDeadError: not connected, or the connection broke before the reply.
@@ -231,8 +232,9 @@ class ControlClient:
     async def submit(self, req: SubmitRequest, body: bytes, timeout: float | None = None) -> SubmitReply:
         """SUBMIT: register a sample request whose engine request body (JSON bytes) is ``body``.
 
-        Returns :class:`SubmitAccepted` or :class:`SubmitRefused` (an encoder-side error becomes a
-        refusal with reason ``INTERNAL``).
+        Returns :class:`~shardserver.messages.SubmitAccepted` or
+        :class:`~shardserver.messages.SubmitRefused` (an encoder-side error becomes a refusal
+        with reason ``INTERNAL``).
 
         Raises:
             EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
@@ -245,8 +247,8 @@ class ControlClient:
     async def poll(self, req: PollRequest, timeout: float | None = None) -> PollReply:
         """POLL: where a future's result is, held by the encoder up to ``req.timeout`` seconds.
 
-        Returns :class:`PollDone`, :class:`PollPending`, :class:`PollFailed` or :class:`PollGone`
-        (an encoder-side error becomes a failure of category ``server``).
+        Returns :class:`~shardserver.messages.PollDone`, ``PollPending``, ``PollFailed`` or
+        ``PollGone`` (an encoder-side error becomes a failure of category ``server``).
 
         Raises:
             EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
@@ -310,8 +312,8 @@ async def serve_control(path: str, handler: Handler) -> asyncio.AbstractServer:
     ``handler(msg, blob)`` gets each request decoded into its :mod:`shardserver.messages` struct
     and returns the reply struct (None for one-way kinds). Each request runs in its own task so a
     held POLL does not block the connection. A request that cannot be decoded, or whose handler
-    raises, is answered with an :class:`ErrorReply` in an ERROR frame (when it has a tag); the
-    connection stays up. Only a broken frame length ends the connection.
+    raises, is answered with an :class:`~shardserver.messages.ErrorReply` in an ERROR frame
+    (when it has a tag); the connection stays up. Only a broken frame length ends the connection.
     """
 
     async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

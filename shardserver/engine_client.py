@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 
 import aiohttp
 

@@ -12,7 +12,6 @@ __all__ = [
     "ConfigError",
     "EngineBodyError",
     "EngineError",
-    "ArenaFullError",
     "SlotInvalidError",
     "EncoderDeadError",
     "ControlError",
@@ -27,7 +26,7 @@ class ConfigError(ShardServerError):
     """An invalid configuration value.
 
     Attributes:
-        key: the dotted config key (``"arena.bytes_per_shard"``) that is wrong.
+        key: the dotted config key (``"shards.arena_bytes"``) that is wrong.
         reason: why the value was rejected.
     """
 
@@ -74,10 +73,6 @@ class EngineError(ShardServerError):
         self.status = status
         self.category = category
         self.retryable = retryable
-
-
-class ArenaFullError(ShardServerError, MemoryError):
-    """No arena space for a result, even after evicting delivered results."""
 
 
 class SlotInvalidError(ShardServerError):

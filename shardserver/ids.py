@@ -22,6 +22,7 @@ no shared session table.
 from __future__ import annotations
 
 import base64
+import enum
 import hashlib
 import hmac
 import json
@@ -40,8 +41,10 @@ def shard_of(id_str: str, shards: int) -> int:
     return int.from_bytes(h, "little") % shards
 
 
-class FutureIdStatus:
-    OK = "ok"
+class FutureIdStatus(enum.Enum):
+    """What :meth:`IdSigner.check_future_id` makes of a future ID."""
+
+    OK = "ok"                     # issued by this run to this owner
     FOREIGN_RUN = "foreign_run"   # well-formed, from an earlier run: 410
     INVALID = "invalid"           # malformed or never issued: 404
 
@@ -82,7 +85,7 @@ class IdSigner:
             if shard_of(fid, shards) == shard:
                 return fid
 
-    def check_future_id(self, fid: object, owner: str = "") -> str:
+    def check_future_id(self, fid: object, owner: str = "") -> FutureIdStatus:
         """Classify a future ID: :class:`FutureIdStatus` OK, FOREIGN_RUN or INVALID."""
         if not isinstance(fid, str):
             return FutureIdStatus.INVALID

@@ -2,13 +2,13 @@
 
 Uses ``prometheus_client`` in multiprocess mode: the supervisor creates
 ``<run_dir>/metrics`` and sets ``PROMETHEUS_MULTIPROC_DIR`` to it *before* it
-spawns any child (:func:`shardserver.multiproc.prepare_multiproc_dir`); every child process then
+spawns any child (:func:`shardserver.prometheus_dir.prepare_prometheus_dir`); every child process then
 keeps its counters and histograms in small mmap files there, and the
 front-end answering a scrape merges all of them
 (``MultiProcessCollector``). The files of a dead child are kept, so totals
 never go backwards when a worker is restarted; the directory goes with the run
 directory at shutdown, and run directories of dead supervisors are removed at
-the next start. :func:`shardserver.multiproc.mark_dead` is called for every child that exits (it
+the next start. :func:`shardserver.prometheus_dir.mark_process_dead` is called for every child that exits (it
 drops the files of live-mode gauges, of which there are none today).
 
 Gauges that describe a shard's *current* state (futures by stage, arena
@@ -36,7 +36,8 @@ from typing import Any, Awaitable, Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .multiproc import MULTIPROC_ENV, multiproc_dir
+from .messages import FutureState
+from .prometheus_dir import MULTIPROC_ENV, prometheus_dir
 
 __all__ = [
     "MULTIPROC_ENV",
@@ -232,9 +233,9 @@ def future_stages(entries: Iterable[Any]) -> dict[str, int]:
     pending = completed = retrieved = gone = 0
     for e in entries:
         st = e.state
-        if st == "pending":
+        if st == FutureState.PENDING:
             pending += 1
-        elif st == "gone":
+        elif st == FutureState.GONE:
             gone += 1
         elif e.delivered:
             retrieved += 1
@@ -389,7 +390,7 @@ def render(shard_replies: list[dict[str, Any]]) -> bytes:
     """
     gauges = CollectorRegistry(auto_describe=False)
     gauges.register(ShardGaugeCollector(shard_replies))  # type: ignore[arg-type]
-    d = multiproc_dir()
+    d = prometheus_dir()
     if d is None:
         return generate_latest(REGISTRY) + generate_latest(gauges)
     from prometheus_client.multiprocess import MultiProcessCollector

@@ -29,7 +29,7 @@ Layout (all integers little-endian)::
   was freed or reused meanwhile it raises :class:`SlotInvalidError` and the
   copy is discarded. Front-ends send that copy to the socket, so the slot is
   never read after the copy returns and may be reused at once (Python 3.11's
-  transports copy unsent data anyway; see ARCHITECTURE.md "zero-copy").
+  transports copy unsent data anyway; see README.md, decision "reading a slot").
 * Ordering: the writer stores the generation last on commit and zeroes it first on free;
   the reader loads it before and after the copy. That is enough on x86-64, whose stores are
   not reordered with stores nor loads with loads (the machines this runs on); a weakly

@@ -68,8 +68,6 @@ __all__ = ["EncoderCore", "EncoderProc", "FutureEntry"]
 
 log = logging.getLogger("shardserver.encoder")
 
-PENDING, DONE, FAILED, GONE = FutureState.PENDING, FutureState.DONE, FutureState.FAILED, FutureState.GONE
-
 
 @dataclass(slots=True, eq=False)
 class FutureEntry:
@@ -77,7 +75,7 @@ class FutureEntry:
 
     fid: str
     key: tuple[str, int] | None
-    state: FutureState = PENDING
+    state: FutureState = FutureState.PENDING
     created: float = 0.0
     deadline: float = 0.0
     reserve: Slot | None = None   # arena slot reserved at SUBMIT for the largest possible result
@@ -118,8 +116,9 @@ class EncoderCore:
         self.decoder = CompletionDecoder()
         self.table: dict[str, FutureEntry] = {}
         self.by_key: dict[tuple[str, int], str] = {}
-        # Delivered results in delivery order: the eviction queue.
-        self.delivered: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Delivered results (DONE futures whose bytes a client got) in delivery order, oldest first:
+        # the only results a full arena may evict.
+        self.eviction_queue: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.reserved_bytes = 0
         self.state_counts: collections.Counter[str] = collections.Counter()
         self.delivered_count = 0  # futures in the table that were delivered at least once
@@ -170,11 +169,11 @@ class EncoderCore:
             self.delivered_count -= e.delivered
         if e.key is not None and self.by_key.get(e.key) == e.fid:
             del self.by_key[e.key]
-        self.delivered.pop(e.fid, None)
+        self.eviction_queue.pop(e.fid, None)
         if e.task is not None and not e.task.done():
             e.task.cancel()
         self._release(e)
-        e.state = GONE
+        e.state = FutureState.GONE
         e.gone_reason = e.gone_reason or "expired"
         self._wake(e)
 
@@ -183,12 +182,12 @@ class EncoderCore:
 
         ``keep``: a future that must survive (the one being answered); it keeps its place.
         """
-        kept = keep is not None and self.delivered.pop(keep, False) is None
+        kept = keep is not None and self.eviction_queue.pop(keep, False) is None
         try:
             while not fits():
-                if not self.delivered:
+                if not self.eviction_queue:
                     return False
-                fid, _ = self.delivered.popitem(last=False)
+                fid, _ = self.eviction_queue.popitem(last=False)
                 e = self.table.get(fid)
                 if e is not None:
                     e.gone_reason = "evicted"
@@ -197,8 +196,8 @@ class EncoderCore:
             return True
         finally:
             if kept:
-                self.delivered[keep] = None
-                self.delivered.move_to_end(keep, last=False)
+                self.eviction_queue[keep] = None
+                self.eviction_queue.move_to_end(keep, last=False)
 
     # -- SUBMIT --------------------------------------------------------------------------
     def submit(self, req: SubmitRequest, body: bytes) -> SubmitReply:
@@ -244,7 +243,7 @@ class EncoderCore:
         e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserve=slot)
         self.reserved_bytes += slot.capacity
         self.table[fid] = e
-        self.state_counts[PENDING] += 1
+        self.state_counts[FutureState.PENDING] += 1
         self.by_key[key] = fid
         self._set_deadline(e, self.cfg.futures.pending_ttl_s)
         e.task = asyncio.get_running_loop().create_task(
@@ -329,16 +328,16 @@ class EncoderCore:
             return
         self.arena.commit(slot, size)
         e.slot = slot
-        self._set_state(e, DONE)
+        self._set_state(e, FutureState.DONE)
         self.counters["completed"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)
         self._wake(e)
 
     def _fail(self, e: FutureEntry, msg: str, category: str) -> None:
-        if e.state != PENDING:
+        if e.state != FutureState.PENDING:
             return
         self._release(e)
-        self._set_state(e, FAILED)
+        self._set_state(e, FutureState.FAILED)
         e.error, e.category = msg, category
         self.counters[f"failed_{category}"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)
@@ -346,7 +345,7 @@ class EncoderCore:
 
     def _gone(self, e: FutureEntry, reason: str) -> None:
         self._release(e)
-        self._set_state(e, GONE)
+        self._set_state(e, FutureState.GONE)
         e.gone_reason = reason
         self.counters["gone"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)
@@ -358,7 +357,7 @@ class EncoderCore:
         e = self.table.get(req.fid)
         if e is None:
             return PollGone(reason="unknown or expired future (its result was not kept)")
-        if e.state == PENDING:
+        if e.state == FutureState.PENDING:
             timeout = min(req.timeout, self.cfg.futures.long_poll_s)
             if timeout > 0:
                 w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -373,11 +372,11 @@ class EncoderCore:
         return self._answer(e, req.want)
 
     def _answer(self, e: FutureEntry, want: ResultForm) -> PollReply:
-        if e.state == PENDING:
+        if e.state == FutureState.PENDING:
             return PollPending()
-        if e.state == FAILED:
+        if e.state == FutureState.FAILED:
             return PollFailed(error=e.error, category=e.category)  # type: ignore[arg-type]
-        if e.state == GONE or e.slot is None:
+        if e.state == FutureState.GONE or e.slot is None:
             return PollGone(reason=e.gone_reason or "result no longer held")
         slot = e.slot
         if want == ResultForm.JSON:
@@ -401,15 +400,15 @@ class EncoderCore:
     def delivered_ok(self, fid: str) -> None:
         """The front-end sent this future's result to a connected client: start the retrieved TTL."""
         e = self.table.get(fid)
-        if e is None or e.state not in (DONE, FAILED):
+        if e is None or e.state not in (FutureState.DONE, FutureState.FAILED):
             return
         if not e.delivered:
             e.delivered = True
             self.delivered_count += 1
             self.counters["delivered"] += 1
-        if e.state == DONE:
-            self.delivered[fid] = None
-            self.delivered.move_to_end(fid)
+        if e.state == FutureState.DONE:
+            self.eviction_queue[fid] = None
+            self.eviction_queue.move_to_end(fid)
         self._set_deadline(e, self.cfg.futures.retrieved_ttl_s)
 
     # -- TTL sweep -----------------------------------------------------------------------
@@ -433,8 +432,9 @@ class EncoderCore:
         """Futures by stage for the ``shardserver_futures`` gauge, from counts kept as states change
         (see :func:`shardserver.metrics.future_stages` for the definitions)."""
         sc = self.state_counts
-        return {"pending": sc[PENDING], "completed": sc[DONE] + sc[FAILED] - self.delivered_count,
-                "retrieved": self.delivered_count, "gone": sc[GONE]}
+        return {"pending": sc[FutureState.PENDING],
+                "completed": sc[FutureState.DONE] + sc[FutureState.FAILED] - self.delivered_count,
+                "retrieved": self.delivered_count, "gone": sc[FutureState.GONE]}
 
     def stats(self) -> StatsReply:
         """The STATS reply: counters and gauges of this shard."""
@@ -443,7 +443,7 @@ class EncoderCore:
             shard=self.shard,
             pid=os.getpid(),
             futures=states,
-            delivered_held=len(self.delivered),
+            delivered_held=len(self.eviction_queue),
             arena_bytes=self.arena.size,
             arena_used_bytes=self.arena.used_bytes - self.reserved_bytes,  # results (proto + JSON)
             arena_reserved_bytes=self.reserved_bytes,
@@ -470,7 +470,7 @@ class EncoderCore:
         """Stop the shard's work: every pending future goes GONE with ``why`` (waiting polls answer
         410) and every engine call still running is cancelled. Results already in the arena stay."""
         for e in list(self.table.values()):
-            if e.state == PENDING:
+            if e.state == FutureState.PENDING:
                 self._gone(e, why)
         for e in list(self.table.values()):
             if e.task is not None:

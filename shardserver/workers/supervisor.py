@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from ..api.auth import load_key_table
 from ..config import Config, mask_url
-from ..multiproc import mark_dead, prepare_multiproc_dir
+from ..prometheus_dir import mark_process_dead, prepare_prometheus_dir
 from ..shm.arena import create_segment, pid_alive, remove_stale_segments, segment_name, unlink_segment
 
 __all__ = ["Supervisor", "ChildSpec", "StartupError"]
@@ -228,7 +228,7 @@ class Supervisor:
                 log.info("removed %d shared-memory segments of dead runs", len(removed))
             _remove_stale_run_dirs()
             self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{self.pid}-")
-            prepare_multiproc_dir(self.run_dir)  # before any child is spawned: they inherit it
+            prepare_prometheus_dir(self.run_dir)  # before any child is spawned: they inherit it
             try:
                 self.sock = _bind(cfg.server.host, cfg.server.port, cfg.server.backlog)
             except OSError as exc:
@@ -295,7 +295,7 @@ class Supervisor:
         # A /tmp cleaner may have removed the run directory (sockets, metrics files): recreate it.
         os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)
         child.restarts += 1
-        mark_dead(child.proc.pid)
+        mark_process_dead(child.proc.pid)
         from ..metrics import count_worker_restart
 
         count_worker_restart(child.role)

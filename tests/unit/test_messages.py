@@ -82,7 +82,11 @@ def _read_all(data: bytes) -> list[Frame]:
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("kind,reply_to,msg,blob", CASES, ids=lambda v: type(v).__name__ if isinstance(v, msgspec.Struct) else None)
+def _case_id(v: object) -> str | None:
+    return type(v).__name__ if isinstance(v, msgspec.Struct) else None
+
+
+@pytest.mark.parametrize("kind,reply_to,msg,blob", CASES, ids=_case_id)
 def test_every_message_roundtrips_through_a_frame(kind, reply_to, msg, blob):
     data = encode_frame(kind, 0xABCDEF, msg, blob)
     meta = encode_meta(msg)

@@ -3,7 +3,7 @@
 ``prometheus_client`` decides how it stores values when it is first imported:
 in mmap files under ``$PROMETHEUS_MULTIPROC_DIR`` if that variable is set, in
 process memory otherwise. So the supervisor calls
-:func:`prepare_multiproc_dir` before it imports :mod:`shardserver.metrics` and
+:func:`prepare_prometheus_dir` before it imports :mod:`shardserver.metrics` and
 before it spawns any child; the children inherit the variable.
 """
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["MULTIPROC_ENV", "prepare_multiproc_dir", "multiproc_dir", "mark_dead"]
+__all__ = ["MULTIPROC_ENV", "prepare_prometheus_dir", "prometheus_dir", "mark_process_dead"]
 
 log = logging.getLogger("shardserver.metrics")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def prepare_multiproc_dir(run_dir: str) -> str:
+def prepare_prometheus_dir(run_dir: str) -> str:
     """Create ``<run_dir>/metrics`` (removing ``*.db`` files already there) and set
     ``PROMETHEUS_MULTIPROC_DIR`` to it in this process's environment.
 
@@ -38,19 +38,19 @@ def prepare_multiproc_dir(run_dir: str) -> str:
     return path
 
 
-def multiproc_dir() -> str | None:
+def prometheus_dir() -> str | None:
     """The multiprocess directory of this process, or None when metrics are process-local."""
     d = os.environ.get(MULTIPROC_ENV)
     return d if d and os.path.isdir(d) else None
 
 
-def mark_dead(pid: int | None) -> None:
+def mark_process_dead(pid: int | None) -> None:
     """Bookkeeping for a child that exited: drop its live-mode gauge files.
 
     Counter and histogram files of dead processes are kept on purpose, so that totals stay
     monotonic across worker restarts. Errors are logged at debug level, never raised.
     """
-    d = multiproc_dir()
+    d = prometheus_dir()
     if d is None or pid is None:
         return
     try:
