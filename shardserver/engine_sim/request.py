@@ -80,9 +80,25 @@ class _Req:
 
 
 def _parse_request(obj: Any, cfg: SimConfig) -> _Req:
+    """Validate a decoded request body the way vLLM 0.30 does, in vLLM's order: the body
+    shape and every field's type first (FastAPI/pydantic 400s), then the model (404), then
+    the sampling values and the context length (``VLLMValidationError`` 400s).
+
+    Raises:
+        SimRequestError: the exact status and body vLLM would answer.
+    """
     if not isinstance(obj, dict):
         raise _pydantic("", "model_attributes_type",
                         "Input should be a valid dictionary or object to extract fields from")
+    prompt = _read_prompt(obj)
+    fields = _read_fields(obj)
+    _check_values(fields, cfg)
+    _check_length(len(prompt), fields["max_tokens"], cfg)
+    return _Req(prompt=np.asarray(prompt, dtype=np.int64), prompt_list=tuple(prompt), **fields)
+
+
+def _read_prompt(obj: dict[str, Any]) -> list[int]:
+    """The one prompt of the request as token ids (``[[ids]]`` is unwrapped)."""
     if "prompt" not in obj or obj["prompt"] is None:
         raise _pydantic("prompt", "missing", "Field required")
     prompt = obj["prompt"]
@@ -97,47 +113,52 @@ def _parse_request(obj: Any, cfg: SimConfig) -> _Req:
     if min(prompt) < 0 or max(prompt) > 0x7FFFFFFF:
         bad_id = next(t for t in prompt if t < 0 or t > 0x7FFFFFFF)
         raise _bad(f"Token id {bad_id} is out of vocabulary", "prompt", bad_id, with_value=False)
+    return prompt
 
-    def opt_int(name: str, default: Any) -> Any:
-        v = obj.get(name, default)
-        if v is None:
-            return None
-        if not _is_int(v):
-            raise _pydantic(name, "int_type", "Input should be a valid integer")
-        return v
 
-    def opt_num(name: str, default: Any) -> Any:
-        v = obj.get(name, default)
-        if v is None:
-            return default
-        if not _is_num(v):
-            raise _pydantic(name, "float_type", "Input should be a valid number")
-        return float(v)
+def _opt_int(obj: dict[str, Any], name: str, default: Any) -> Any:
+    v = obj.get(name, default)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _pydantic(name, "int_type", "Input should be a valid integer")
+    return v
 
-    def opt_bool(name: str, default: bool) -> bool:
-        v = obj.get(name, default)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise _pydantic(name, "bool_type", "Input should be a valid boolean")
-        return v
 
+def _opt_num(obj: dict[str, Any], name: str, default: Any) -> Any:
+    v = obj.get(name, default)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise _pydantic(name, "float_type", "Input should be a valid number")
+    return float(v)
+
+
+def _opt_bool(obj: dict[str, Any], name: str, default: bool) -> bool:
+    v = obj.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _pydantic(name, "bool_type", "Input should be a valid boolean")
+    return v
+
+
+def _read_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """Every :class:`_Req` field but the prompt, type-checked (pydantic-style 400s), with
+    vLLM's defaults for absent or null fields."""
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise _pydantic("model", "string_type", "Input should be a valid string")
-    n = opt_int("n", 1)
-    n = 1 if n is None else n
-    max_tokens = opt_int("max_tokens", 16)
-    max_tokens = 16 if max_tokens is None else max_tokens
-    temperature = opt_num("temperature", 1.0)
-    top_p = opt_num("top_p", 1.0)
-    top_k = opt_int("top_k", -1)
-    top_k = -1 if top_k is None else top_k
-    seed = opt_int("seed", None)
-    logprobs = opt_int("logprobs", None)
-    prompt_logprobs = opt_int("prompt_logprobs", None)
-    return_token_ids = opt_bool("return_token_ids", False)
-    ignore_eos = opt_bool("ignore_eos", False)
+    n = _opt_int(obj, "n", 1)
+    max_tokens = _opt_int(obj, "max_tokens", 16)
+    temperature = _opt_num(obj, "temperature", 1.0)
+    top_p = _opt_num(obj, "top_p", 1.0)
+    top_k = _opt_int(obj, "top_k", -1)
+    seed = _opt_int(obj, "seed", None)
+    logprobs = _opt_int(obj, "logprobs", None)
+    prompt_logprobs = _opt_int(obj, "prompt_logprobs", None)
+    return_token_ids = _opt_bool(obj, "return_token_ids", False)
+    ignore_eos = _opt_bool(obj, "ignore_eos", False)
     stop = obj.get("stop")
     if stop is None:
         stop = []
@@ -150,7 +171,27 @@ def _parse_request(obj: Any, cfg: SimConfig) -> _Req:
         stop_ids = []
     if not isinstance(stop_ids, list) or not all(_is_int(s) for s in stop_ids):
         raise _pydantic("stop_token_ids", "list_type", "Input should be a valid list of integers")
+    return {
+        "model": model,
+        "n": 1 if n is None else n,
+        "max_tokens": 16 if max_tokens is None else max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": -1 if top_k is None else top_k,
+        "seed": seed,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "return_token_ids": return_token_ids,
+        "stop": tuple(stop),
+        "stop_token_ids": tuple(stop_ids),
+        "ignore_eos": ignore_eos,
+    }
 
+
+def _check_values(f: dict[str, Any], cfg: SimConfig) -> None:
+    """The served model (404) and vLLM's ``SamplingParams`` value checks (400), in vLLM's order."""
+    model, n, temperature, top_p, top_k = f["model"], f["n"], f["temperature"], f["top_p"], f["top_k"]
+    max_tokens = f["max_tokens"]
     if cfg.check_model and model is not None and model != cfg.model_name:
         raise SimRequestError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if n < 1:
@@ -166,7 +207,8 @@ def _parse_request(obj: Any, cfg: SimConfig) -> _Req:
         raise _bad(f"top_k must be 0 (disable), or at least 1, got {top_k}.", "top_k", top_k)
     if max_tokens < 1:
         raise _bad(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
-    for name, v, what in (("logprobs", logprobs, "sample"), ("prompt_logprobs", prompt_logprobs, "prompt")):
+    for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        v = f[name]
         if v is None:
             continue
         if v < -1:
@@ -175,7 +217,10 @@ def _parse_request(obj: Any, cfg: SimConfig) -> _Req:
             shown = cfg.vocab_size if v == -1 else v
             raise _bad(f"Requested {what} logprobs of {shown}, which is greater than max allowed: {cfg.max_logprobs}",
                        name, v)
-    plen = len(prompt)
+
+
+def _check_length(plen: int, max_tokens: int, cfg: SimConfig) -> None:
+    """vLLM's context-length check: prompt + max_tokens must fit ``max_model_len``."""
     if plen + max_tokens > cfg.max_model_len:
         raise SimRequestError(
             400,
@@ -185,23 +230,6 @@ def _parse_request(obj: Any, cfg: SimConfig) -> _Req:
             "BadRequestError",
             "input_tokens",
         )
-    return _Req(
-        prompt=np.asarray(prompt, dtype=np.int64),
-        prompt_list=tuple(prompt),
-        model=model,
-        n=n,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        return_token_ids=return_token_ids,
-        stop=tuple(stop),
-        stop_token_ids=tuple(stop_ids),
-        ignore_eos=ignore_eos,
-    )
 
 
 def _num_text(v: float) -> str:

@@ -214,7 +214,30 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _completions_inner(request: web.Request, st: _SimState) -> web.StreamResponse:
+    """Parse, apply the matching fault rules, build (or find) the body tail, wait out the
+    configured latency, then answer: a fault's response, or the body (possibly cut short)."""
     cfg = st.config
+    parsed = await _read_request(request, st, cfg)
+    if isinstance(parsed, web.Response):
+        return parsed
+    req = parsed
+    st.counter += 1
+    override, terminal = await _apply_fault_rules(st, req)
+    key, tail, ntok = _body_tail(st, cfg, req, override)
+
+    delay = cfg.queue_delay_s + cfg.latency_s + cfg.per_token_latency_s * ntok
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+    if terminal is not None and terminal.kind != "truncate":
+        return _terminal_response(st, terminal, cfg)
+    xrid = request.headers.get("X-Request-Id")
+    rid, created = _ids_for(cfg, key, ("cmpl-" + xrid) if xrid else None, None)
+    return await _send_body(request, st, _head(rid, created), tail, terminal)
+
+
+async def _read_request(request: web.Request, st: _SimState, cfg: SimConfig) -> _Req | web.Response:
+    """The parsed request, or the 400/404 response vLLM gives for it (already counted)."""
     raw = await request.read()
     ctype = request.headers.get("Content-Type", "")
     if ctype.split(";")[0].strip().lower() != "application/json":
@@ -235,16 +258,18 @@ async def _completions_inner(request: web.Request, st: _SimState) -> web.StreamR
         _count(st, 400, len(err.body))
         return _json_response(400, err.body)
     try:
-        req = _parse_request(obj, cfg)
+        return _parse_request(obj, cfg)
     except SimRequestError as err:
         _count(st, err.status, len(err.body))
         return _json_response(err.status, err.body)
 
-    st.counter += 1
-    rules = st.match(req, st.counter)
+
+async def _apply_fault_rules(st: _SimState, req: _Req) -> tuple[FaultRule | None, FaultRule | None]:
+    """Fire the rules matching this request: sleep for every ``stall``; return the first
+    ``finish_reason`` rule (the override) and the first rule that decides the response."""
     override = None
     terminal = None
-    for rule in rules:
+    for rule in st.match(req, st.counter):
         st.stats["faults"][rule.kind] = st.stats["faults"].get(rule.kind, 0) + 1
         if rule.kind == "stall":
             await asyncio.sleep(rule.stall_s)
@@ -252,7 +277,11 @@ async def _completions_inner(request: web.Request, st: _SimState) -> web.StreamR
             override = override or rule
         elif terminal is None:
             terminal = rule
+    return override, terminal
 
+
+def _body_tail(st: _SimState, cfg: SimConfig, req: _Req, override: FaultRule | None) -> tuple[bytes, bytes, int]:
+    """(cache key, body tail bytes, completion tokens), from the LRU or built now."""
     key = _cache_key(req, cfg, override)
     hit = st.cache.get(key) if cfg.cache_max_bytes > 0 else None
     if hit is not None:
@@ -268,27 +297,26 @@ async def _completions_inner(request: web.Request, st: _SimState) -> web.StreamR
         if cfg.cache_max_bytes > 0:
             st.cache.put(key, (tail, ntok))
     st.stats["completion_tokens"] += ntok
+    return key, tail, ntok
 
-    delay = cfg.queue_delay_s + cfg.latency_s + cfg.per_token_latency_s * ntok
-    if delay > 0:
-        await asyncio.sleep(delay)
 
-    if terminal is not None:
-        if terminal.kind == "status":
-            resp = _fault_response(terminal, cfg)
-            _count(st, resp.status, len(resp.body or b""))
-            return resp
-        if terminal.kind == "nan":
-            body = _error_body(400, "Out of range float values are not JSON compliant: nan", "BadRequestError", None)
-            _count(st, 400, len(body))
-            return _json_response(400, body)
-        if terminal.kind == "non_json":
-            _count(st, 200, len(_HTML))
-            return web.Response(status=200, body=_HTML, content_type=terminal.content_type)
+def _terminal_response(st: _SimState, terminal: FaultRule, cfg: SimConfig) -> web.Response:
+    """The response of a ``status``, ``nan`` or ``non_json`` rule (counted)."""
+    if terminal.kind == "status":
+        resp = _fault_response(terminal, cfg)
+        _count(st, resp.status, len(resp.body or b""))
+        return resp
+    if terminal.kind == "nan":
+        body = _error_body(400, "Out of range float values are not JSON compliant: nan", "BadRequestError", None)
+        _count(st, 400, len(body))
+        return _json_response(400, body)
+    _count(st, 200, len(_HTML))  # non_json
+    return web.Response(status=200, body=_HTML, content_type=terminal.content_type)
 
-    xrid = request.headers.get("X-Request-Id")
-    rid, created = _ids_for(cfg, key, ("cmpl-" + xrid) if xrid else None, None)
-    head = _head(rid, created)
+
+async def _send_body(request: web.Request, st: _SimState, head: bytes, tail: bytes,
+                     terminal: FaultRule | None) -> web.StreamResponse:
+    """Send the 200 body, or, for a ``truncate`` rule, a prefix of it and close the connection."""
     total = len(head) + len(tail)
     # Head and (cached) tail go out as two writes: no copy of a multi-MB body per request.
     resp = web.StreamResponse(status=200)
