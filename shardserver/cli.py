@@ -30,17 +30,12 @@ def build_config(args: argparse.Namespace) -> Config:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .workers._subprocess import configure_logging
+    from .process import configure_logging, set_process_title
     from .workers.supervisor import Supervisor
 
     cfg = build_config(args)
     configure_logging(cfg.server.log_level)
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle("shardserver: supervisor")
-    except ImportError:  # pragma: no cover
-        pass
+    set_process_title("supervisor")
 
     def ready(host: str, port: int) -> None:
         # One write: children share this pipe, and print() writes the newline separately when

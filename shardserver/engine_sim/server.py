@@ -448,12 +448,9 @@ async def stop_sim(runner: web.AppRunner) -> None:
 def run_standalone(host: str = "127.0.0.1", port: int = 8000, config: SimConfig | None = None) -> None:
     """Run the simulator forever on uvloop (blocking) until SIGTERM or SIGINT, then exit
     cleanly. Sets the process title ``shardserver: engine-sim``."""
-    try:
-        import setproctitle
+    from ..process import set_process_title
 
-        setproctitle.setproctitle("shardserver: engine-sim")
-    except ImportError:  # pragma: no cover - setproctitle is a dependency
-        pass
+    set_process_title("engine-sim")
     import uvloop
 
     async def main() -> None:

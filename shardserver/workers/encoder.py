@@ -525,15 +525,19 @@ class EncoderProc:
             while True:
                 await asyncio.sleep(cfg.futures.sweep_interval_s)
                 core.sweep()
-                if os.getppid() != parent_pid:  # the supervisor died (SIGKILL): leave
-                    log.warning("encoder %d: supervisor %d is gone, exiting", shard, parent_pid)
-                    stop.set()
+
+        from ..process import watch_parent
 
         sweep_task = loop.create_task(sweeper(), name=f"encoder-{shard}-sweeper")
+        # The supervisor died (SIGKILL): leave.
+        watch_task = loop.create_task(watch_parent(parent_pid, stop.set, who=f"encoder {shard}", logger=log,
+                                                   interval_s=cfg.futures.sweep_interval_s),
+                                      name=f"encoder-{shard}-parent-watch")
         try:
             await stop.wait()
         finally:
             sweep_task.cancel()
+            watch_task.cancel()
             server.close()
             core.close("server shutting down")
             await probe.close()

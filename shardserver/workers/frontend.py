@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import signal
 
 import uvicorn
@@ -55,6 +54,7 @@ class FrontendProc:
     @staticmethod
     def run(cfg: Config, index: int, sock, socket_paths: list[str], secret: bytes, run_id: str,
             parent_pid: int, ready_conn=None, auth: KeyTable | None = None) -> None:
+        from ..process import watch_parent
         from ._subprocess import child_setup
 
         child_setup(f"front-end {index}", cfg)
@@ -68,15 +68,13 @@ class FrontendProc:
             server_header=False)
         server = DrainingServer(ucfg, ctx)
 
-        async def watch_parent() -> None:
-            while not server.should_exit:
-                await asyncio.sleep(0.5)
-                if os.getppid() != parent_pid:
-                    log.warning("front-end %d: supervisor %d is gone, exiting", index, parent_pid)
-                    server.should_exit = True
+        def leave() -> None:
+            server.should_exit = True
 
         async def main() -> None:
-            t = asyncio.get_running_loop().create_task(watch_parent(), name=f"front-end-{index}-parent-watch")
+            t = asyncio.get_running_loop().create_task(
+                watch_parent(parent_pid, leave, who=f"front-end {index}", logger=log),
+                name=f"front-end-{index}-parent-watch")
             try:
                 await server.serve(sockets=[sock])
             finally:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 from typing import Any
+
+from ..aio import cancel_and_wait
+from ..process import configure_logging, set_process_title, watch_parent
 
 __all__ = ["run_sim_process", "serve_sim_on_socket"]
 
@@ -29,27 +31,20 @@ async def serve_sim_on_socket(sock: socket.socket, sim_cfg: dict[str, Any], pare
     loop = asyncio.get_running_loop()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's; it sends SIGTERM
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    watcher = None
+    if parent_pid is not None:
+        watcher = loop.create_task(watch_parent(parent_pid, stop.set, who="engine-sim", logger=log),
+                                   name="engine-sim-parent-watch")
     try:
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
-                if parent_pid is not None and os.getppid() != parent_pid:
-                    break
+        await stop.wait()
     finally:
+        await cancel_and_wait(watcher)
         await runner.cleanup()
 
 
 def run_sim_process(sock: socket.socket, sim_cfg: dict[str, Any], log_level: str, parent_pid: int) -> None:
     """Spawn target: name the process ``shardserver: engine-sim`` and serve on ``sock``."""
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle("shardserver: engine-sim")
-    except ImportError:  # pragma: no cover
-        pass
-    from ._subprocess import configure_logging
-
+    set_process_title("engine-sim")
     configure_logging(log_level)
     import uvloop
 
