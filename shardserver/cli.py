@@ -47,11 +47,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_engine_sim(args: argparse.Namespace) -> int:
-    from .engine_sim import SimConfig, run_standalone
+    from .engine_sim import SimConfig, run_process
 
     cfg = load_config(args.config) if args.config else None
     sim = SimConfig.from_mapping(dict(cfg.simulator)) if cfg else SimConfig()
-    run_standalone(args.host, args.port, sim)
+    run_process(sim, host=args.host, port=args.port)
     return 0
 
 

@@ -45,13 +45,14 @@ Layout (one module per concern, in dependency order):
 * ``render``: the byte renderer and the reference dict form, :func:`render_completion`,
   :func:`completion_dict`;
 * ``server``: the aiohttp application, :func:`make_app`, :func:`start_sim`,
-  :func:`stop_sim`, :func:`run_standalone`;
+  :func:`stop_sim`, and the process entry point :func:`run_process` (used by
+  ``shardserver engine-sim`` and by the supervisor) with :func:`run_standalone`;
 * ``wire``: Starlette's JSON settings, shared by the above.
 
 Public API (importable from ``shardserver.engine_sim``): :class:`SimConfig`,
 :class:`FaultRule`, :class:`SimRequestError`, :func:`make_app`, :func:`start_sim`,
-:func:`stop_sim`, :func:`render_completion`, :func:`completion_dict` and
-:func:`run_standalone`.
+:func:`stop_sim`, :func:`render_completion`, :func:`completion_dict`,
+:func:`run_process` and :func:`run_standalone`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from __future__ import annotations
 from .config import FaultRule, SimConfig
 from .render import completion_dict, render_completion
 from .request import SimRequestError
-from .server import make_app, run_standalone, start_sim, stop_sim
+from .server import make_app, run_process, run_standalone, start_sim, stop_sim
 
 __all__ = [
     "SimConfig",
@@ -70,5 +71,6 @@ __all__ = [
     "stop_sim",
     "render_completion",
     "completion_dict",
+    "run_process",
     "run_standalone",
 ]

@@ -1,5 +1,6 @@
 """The simulator's aiohttp application and how to serve it: :func:`make_app`,
-:func:`start_sim`, :func:`stop_sim`, :func:`run_standalone`."""
+:func:`start_sim`, :func:`stop_sim`, and the simulator's process, :func:`run_process`
+(standalone or under the supervisor) with :func:`run_standalone`."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import json
 import logging
 import random
 import signal
+import socket
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from aiohttp import web
 
+from ..aio import cancel_and_wait
+from ..process import configure_logging, set_process_title, watch_parent
 from .config import FaultRule, SimConfig
 from .generate import _generate, _pool_for
 from .render import _cache_key, _head, _ids_for, _render_tail
 from .request import SimRequestError, _error_body, _parse_request, _Req
 from .wire import _dumps
 
-__all__ = ["make_app", "start_sim", "stop_sim", "run_standalone"]
+__all__ = ["make_app", "start_sim", "stop_sim", "run_process", "run_standalone"]
 
 logger = logging.getLogger("shardserver.engine_sim")
 
@@ -415,18 +419,25 @@ async def start_sim(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
+    sock: socket.socket | None = None,
+    backlog: int = 2048,
     shutdown_timeout: float = 1.0,
 ) -> tuple[web.AppRunner, int]:
     """Serve the simulator on the running loop. ``port=0`` picks a free port.
 
     Returns ``(runner, actual_port)``; pass the runner to :func:`stop_sim`.
-    ``shutdown_timeout`` (seconds) bounds how long :func:`stop_sim` waits for in-flight
-    requests (e.g. stalled ones) before closing their connections.
+    ``sock``: serve on this already-bound TCP socket instead of binding ``host:port``.
+    ``backlog``: the listen queue length (connections). ``shutdown_timeout`` (seconds)
+    bounds how long :func:`stop_sim` waits for in-flight requests (e.g. stalled ones)
+    before closing their connections.
     """
     runner = web.AppRunner(make_app(config), access_log=None, handle_signals=False,
                            shutdown_timeout=shutdown_timeout)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048)
+    if sock is None:
+        site: web.BaseSite = web.TCPSite(runner, host, port, backlog=backlog)
+    else:
+        site = web.SockSite(runner, sock, backlog=backlog)
     try:
         await site.start()
     except BaseException:
@@ -445,27 +456,72 @@ async def stop_sim(runner: web.AppRunner) -> None:
     await runner.cleanup()
 
 
-def run_standalone(host: str = "127.0.0.1", port: int = 8000, config: SimConfig | None = None) -> None:
-    """Run the simulator forever on uvloop (blocking) until SIGTERM or SIGINT, then exit
-    cleanly. Sets the process title ``shardserver: engine-sim``."""
-    from ..process import set_process_title
+def run_process(config: SimConfig | Mapping[str, Any] | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+                sock: socket.socket | None = None, log_level: str | None = None,
+                parent_pid: int | None = None) -> None:
+    """The simulator's process, ``shardserver: engine-sim``: serve on uvloop until SIGTERM, then return.
 
+    The one entry point of both ways to run it as a process:
+
+    * standalone (``shardserver engine-sim``, :func:`run_standalone`): binds ``host:port``
+      (``port=0`` picks a free port), prints ``engine-sim listening on http://HOST:PORT``
+      to stdout once it serves, and stops on SIGINT too;
+    * embedded (the supervisor's spawn target when ``engine.url`` is empty): serves on
+      ``sock``, the listening socket the supervisor bound; exits when ``parent_pid`` (the
+      supervisor) is gone; ignores SIGINT, since Ctrl-C reaches the whole process group
+      and the supervisor answers it with SIGTERM.
+
+    Args:
+        config: the knobs, or a ``[simulator]`` mapping for :meth:`SimConfig.from_mapping`
+            (ValueError naming a bad key); None: the defaults.
+        log_level: set up logging at this level (``server.log_level``); None leaves it alone.
+    """
     set_process_title("engine-sim")
+    if log_level is not None:
+        configure_logging(log_level)
+    if not isinstance(config, SimConfig):
+        config = SimConfig.from_mapping(config or {})
     import uvloop
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+    try:
+        uvloop.run(_serve_until_stopped(config, host, port, sock, parent_pid))
+    except KeyboardInterrupt:
+        pass
+
+
+async def _serve_until_stopped(config: SimConfig, host: str, port: int, sock: socket.socket | None,
+                               parent_pid: int | None) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    stop_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+    if parent_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's; it sends SIGTERM
+        stop_signals = (signal.SIGTERM,)
+    for sig in stop_signals:
+        loop.add_signal_handler(sig, stop.set)
+    if sock is None:
         runner, actual = await start_sim(config, host, port)
         logger.info("engine-sim listening on http://%s:%d", host, actual)
         print(f"engine-sim listening on http://{host}:{actual}", flush=True)
-        try:
-            await stop.wait()
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-            await stop_sim(runner)
+    else:
+        # The settings the embedded simulator has always had: the supervisor's listen backlog
+        # and aiohttp's default 60 s drain (the supervisor kills it after 3 s anyway).
+        runner, _ = await start_sim(config, sock=sock, backlog=4096, shutdown_timeout=60.0)
+    watcher = None
+    if parent_pid is not None:
+        watcher = loop.create_task(watch_parent(parent_pid, stop.set, who="engine-sim", logger=logger),
+                                   name="engine-sim-parent-watch")
+    try:
+        await stop.wait()
+    finally:
+        await cancel_and_wait(watcher)
+        for sig in stop_signals:
+            loop.remove_signal_handler(sig)
+        await stop_sim(runner)
 
-    uvloop.run(main())
+
+def run_standalone(host: str = "127.0.0.1", port: int = 8000, config: SimConfig | None = None) -> None:
+    """Run the simulator forever on uvloop (blocking) until SIGTERM or SIGINT, then exit
+    cleanly. Sets the process title ``shardserver: engine-sim``. Same as
+    ``run_process(config, host=host, port=port)``."""
+    run_process(config, host=host, port=port)

@@ -114,6 +114,14 @@ def shutdown_procs(procs: list[Any], timeout: float) -> None:
             p.join(2)
 
 
+def _run_engine_sim(sim_cfg: dict[str, Any], **kwargs: Any) -> None:
+    """Spawn target of the embedded simulator: :func:`shardserver.engine_sim.run_process`,
+    imported in the child only (numpy and aiohttp cost the supervisor ~0.3 s otherwise)."""
+    from ..engine_sim import run_process
+
+    run_process(sim_cfg, **kwargs)
+
+
 class Supervisor:
     """Runs one gateway instance. ``run()`` blocks until SIGTERM/SIGINT or :meth:`request_stop`.
 
@@ -185,16 +193,19 @@ class Supervisor:
         return parent_conn
 
     def _start_sim(self) -> None:
-        from .simproc import run_sim_process
-
         self.sim_sock = _bind("127.0.0.1", 0, 4096)
         port = self.sim_sock.getsockname()[1]
         self.engine_url = f"http://127.0.0.1:{port}"
         self.sim = ChildSpec("engine-sim", 0)
-        self.sim.proc = _CTX.Process(target=run_sim_process, name="shardserver-engine-sim",
-                                     args=(self.sim_sock, dict(self.cfg.simulator), self.cfg.server.log_level,
-                                           self.pid))
-        self.sim.proc.start()
+        self._spawn_sim(self.sim)
+
+    def _spawn_sim(self, spec: ChildSpec) -> None:
+        """Start (or restart) the simulator's process on the socket bound by :meth:`_start_sim`."""
+        spec.proc = _CTX.Process(target=_run_engine_sim, name="shardserver-engine-sim", args=(dict(self.cfg.simulator),),
+                                 kwargs={"sock": self.sim_sock, "log_level": self.cfg.server.log_level,
+                                         "parent_pid": self.pid})
+        spec.proc.start()
+        spec.started_at = time.monotonic()
 
     def _wait_ready(self, spec: ChildSpec, conn: mpc.Connection) -> None:
         deadline = time.monotonic() + self.cfg.shards.ready_timeout_s
@@ -320,13 +331,7 @@ class Supervisor:
                 log.error("%s", exc)
         else:
             log.error("the engine simulator died (code %s); restarting it", code)
-            from .simproc import run_sim_process
-
-            child.proc = _CTX.Process(target=run_sim_process, name="shardserver-engine-sim",
-                                      args=(self.sim_sock, dict(self.cfg.simulator), self.cfg.server.log_level,
-                                            self.pid))
-            child.proc.start()
-            child.started_at = time.monotonic()
+            self._spawn_sim(child)
 
     def _shutdown(self) -> None:
         if self._stopping:
