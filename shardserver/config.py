@@ -9,7 +9,9 @@ tree of frozen dataclasses handed to every child process at spawn.
 
 Units are part of the key names: ``_s`` seconds, ``_bytes`` bytes.
 Invalid values raise :class:`shardserver.errors.ConfigError`, whose message
-names the dotted key (``shards.arena_bytes``) and the reason.
+names the dotted key (``shards.arena_bytes``) and the reason. Keys and types are
+checked by :func:`shardserver.fields.check_fields` (shared with the simulator's
+knobs); each section's ``validate`` checks the ranges.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .fields import EnvText, FieldError, check_fields
 
 __all__ = [
     "ServerConfig",
@@ -279,57 +282,16 @@ def _check(value: Any, key: str, ok: bool, reason: str) -> None:
         raise ConfigError(key, f"{reason} (got {value!r})")
 
 
-class _EnvStr(str):
-    """A value that came from an environment variable (parsed leniently: "1", "yes", "4_096")."""
-
-
-def _coerce(key: str, typ: Any, value: Any) -> Any:
-    """Convert ``value`` (from TOML or an env string) to the field type, or raise ConfigError."""
-    tname = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
-    from_env = isinstance(value, _EnvStr)
-    try:
-        if tname == "bool":
-            if isinstance(value, bool):
-                return value
-            if from_env and value.strip().lower() in ("1", "true", "yes", "on"):
-                return True
-            if from_env and value.strip().lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if tname == "int":
-            if isinstance(value, bool):
-                raise ValueError
-            if isinstance(value, int):
-                return value
-            if from_env:
-                return int(value.strip().replace("_", ""))
-            raise ValueError
-        if tname == "float":
-            if isinstance(value, bool):
-                raise ValueError
-            if isinstance(value, (int, float)):
-                return float(value)
-            if from_env:
-                return float(value.strip())
-            raise ValueError
-        if tname == "str":
-            if isinstance(value, str):
-                return str(value)
-            raise ValueError
-    except ValueError:
-        pass
-    raise ConfigError(key, f"expected {tname}, got {value!r}")
-
-
 def _build_section(name: str, data: Mapping[str, Any]) -> Any:
+    """``[name]`` as its dataclass, or ConfigError naming ``name.key`` (unknown key, wrong type)."""
     cls = _SECTIONS[name]
-    kwargs: dict[str, Any] = {}
-    known = {f.name: f for f in fields(cls)}
-    for k, v in data.items():
-        if k not in known:
-            raise ConfigError(f"{name}.{k}", f"unknown key (known: {', '.join(sorted(known))})")
-        kwargs[k] = _coerce(f"{name}.{k}", known[k].type, v)
-    return cls(**kwargs)
+    try:
+        return cls(**check_fields(cls, data))
+    except FieldError as exc:
+        key = f"{name}.{exc.key}"
+        if exc.problem == "unknown":
+            raise ConfigError(key, f"unknown key (known: {', '.join(sorted(exc.known))})") from None
+        raise ConfigError(key, f"expected {exc.kind.name}, got {exc.value!r}") from None
 
 
 def config_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None = None,
@@ -354,16 +316,18 @@ def config_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None =
         sec, key = sec.lower(), key.lower()
         if sec not in _SECTIONS and sec != "simulator":
             raise ConfigError(f"{sec}.{key}", f"unknown section in environment variable {var}")
-        merged.setdefault(sec, {})[key] = _EnvStr(raw)
+        merged.setdefault(sec, {})[key] = EnvText(raw)
     sim = merged.pop("simulator", {})
     # Env values for the simulator arrive as strings; numbers are parsed here, strings kept.
-    sim = {k: _parse_env_scalar(v) if isinstance(v, _EnvStr) else v for k, v in sim.items()}
+    sim = {k: _parse_env_scalar(v) if isinstance(v, EnvText) else v for k, v in sim.items()}
     cfg = Config(**{name: _build_section(name, merged.get(name, {})) for name in _SECTIONS},
                  simulator=sim, source=source)
     return cfg.validate()
 
 
 def _parse_env_scalar(v: str) -> Any:
+    """An environment value for ``[simulator]``: int, float, true/false, else the plain string
+    (which :class:`SimConfig` checks strictly)."""
     for conv in (int, float):
         try:
             return conv(v)
@@ -371,7 +335,7 @@ def _parse_env_scalar(v: str) -> Any:
             pass
     if v.lower() in ("true", "false"):
         return v.lower() == "true"
-    return v
+    return str(v)
 
 
 def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:

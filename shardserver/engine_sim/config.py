@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from ..fields import FieldError, check_fields
+
 __all__ = ["SimConfig", "FaultRule"]
 
 _FAULT_KINDS = ("status", "truncate", "non_json", "stall", "finish_reason", "nan")
@@ -224,46 +226,16 @@ class SimConfig:
         return d
 
 
-_INT_FIELDS_NULLABLE = {"every_nth", "first_token_id", "times", "truncate_bytes", "tokens", "prompt_positions"}
+_TYPE_WORDS = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string"}
 
 
 def _check_fields(cls: type, m: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    out: dict[str, Any] = {}
-    for key, value in m.items():
-        if key not in known:
-            raise ValueError(f"unknown {cls.__name__} key {prefix}{key!r}")
-        default = known[key].default
-        if key == "faults":
-            out[key] = value
-            continue
-        if key in _INT_FIELDS_NULLABLE or key == "system_fingerprint" or key == "message" or key == "probability":
-            if value is None:
-                out[key] = None
-                continue
-            if key in ("system_fingerprint", "message"):
-                if not isinstance(value, str):
-                    raise ValueError(f"{prefix}{key} must be a string or null")
-            elif key == "probability":
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise ValueError(f"{prefix}{key} must be a number or null")
-                value = float(value)
-            elif isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{prefix}{key} must be an integer or null")
-            out[key] = value
-            continue
-        if isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise ValueError(f"{prefix}{key} must be a boolean")
-        elif isinstance(default, int):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{prefix}{key} must be an integer")
-        elif isinstance(default, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{prefix}{key} must be a number")
-            value = float(value)
-        elif isinstance(default, str):
-            if not isinstance(value, str):
-                raise ValueError(f"{prefix}{key} must be a string")
-        out[key] = value
-    return out
+    """Keys and types of ``m`` checked by :func:`shardserver.fields.check_fields`; ValueError
+    ``"unknown SimConfig key 'x'"`` or ``"<prefix>key must be an integer[ or null]"``."""
+    try:
+        return check_fields(cls, m)
+    except FieldError as exc:
+        if exc.problem == "unknown":
+            raise ValueError(f"unknown {cls.__name__} key {prefix}{exc.key!r}") from None
+        null = " or null" if exc.kind.nullable else ""
+        raise ValueError(f"{prefix}{exc.key} must be {_TYPE_WORDS[exc.kind.name]}{null}") from None
