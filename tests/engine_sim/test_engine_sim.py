@@ -620,7 +620,7 @@ def test_run_standalone_exits_on_sigterm() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-c", code, str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+                            stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     try:
         line = proc.stdout.readline()
         assert b"listening" in line, proc.stderr.read() if proc.poll() is not None else line
