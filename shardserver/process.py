@@ -2,7 +2,8 @@
 when its parent (the supervisor) is gone.
 
 Used by the supervisor (``shardserver serve``), the encoders and front-ends
-(:mod:`shardserver.workers`) and the engine simulator's process. Depends on nothing else in the package.
+(:mod:`shardserver.workers`) and the engine simulator's process
+(:func:`shardserver.engine_sim.run_process`). Depends on nothing else in the package.
 """
 
 from __future__ import annotations
