@@ -34,7 +34,7 @@ Layout (all integers little-endian)::
   the reader loads it before and after the copy. That is enough on x86-64, whose stores are
   not reordered with stores nor loads with loads (the machines this runs on); a weakly
   ordered CPU (aarch64) would need fences around those two header accesses.
-  ``tests/test_units.py::test_reader_never_returns_bytes_of_a_reused_slot`` reuses slots
+  ``tests/unit/test_units.py::test_reader_never_returns_bytes_of_a_reused_slot`` reuses slots
   from another process as fast as it can while reading them and checks every read's CRC.
 """
 

@@ -25,7 +25,7 @@ from shardserver.shm.arena import (
     unlink_segment,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- config ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "benchmarks"))
+sys.path.insert(0, str(HERE.parent.parent / "benchmarks"))
 
 import load_driver  # noqa: E402
 import run_load  # noqa: E402

@@ -126,7 +126,7 @@ def test_old_sdk(server, version, venv):
     py = old_sdk_python(venv)
     if py is None:
         pytest.skip(f"no tinker {version} environment (make test builds {venv})")
-    proc = subprocess.run([py, os.path.join(os.path.dirname(__file__), "sdk_scripts", "old_sdk_sample.py"),
+    proc = subprocess.run([py, os.path.join(os.path.dirname(os.path.dirname(__file__)), "sdk_scripts", "old_sdk_sample.py"),
                            server.url], capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
