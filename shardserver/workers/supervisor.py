@@ -34,6 +34,7 @@ import socket
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -207,6 +208,31 @@ class Supervisor:
         spec.proc.start()
         spec.started_at = time.monotonic()
 
+    def _wait_sim_serving(self) -> None:
+        """Block until the embedded simulator answers ``GET /v1/models`` (200), so a gateway that
+        reports ready serves at once; its start (imports, token pool) takes 0.5 s idle and several
+        seconds on a loaded machine, longer than one engine probe may take.
+
+        Raises:
+            StartupError: the simulator exited, or did not answer within ``shards.ready_timeout_s``.
+        """
+        assert self.sim is not None and self.sim.proc is not None
+        deadline = time.monotonic() + self.cfg.shards.ready_timeout_s
+        url = self.engine_url + "/v1/models"
+        while True:
+            if not self.sim.proc.is_alive():
+                raise StartupError(f"the engine simulator exited with code {self.sim.proc.exitcode} during start")
+            try:
+                with urllib.request.urlopen(url, timeout=max(0.1, min(2.0, deadline - time.monotonic()))) as resp:
+                    if resp.status == 200:
+                        return
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise StartupError(f"the engine simulator did not answer GET /v1/models within "
+                                   f"{self.cfg.shards.ready_timeout_s} s (shards.ready_timeout_s)")
+            time.sleep(0.05)
+
     def _wait_ready(self, spec: ChildSpec, conn: mpc.Connection) -> None:
         deadline = time.monotonic() + self.cfg.shards.ready_timeout_s
         try:
@@ -249,6 +275,7 @@ class Supervisor:
             self.address = (host, port)
             if cfg.uses_simulator:
                 self._start_sim()
+                self._wait_sim_serving()  # before the encoders, whose first engine probe must find it
             self.encoders = [ChildSpec("encoder", s) for s in range(cfg.shards.count)]
             conns = [self._start_encoder(e) for e in self.encoders]
             for e, c in zip(self.encoders, conns):
