@@ -61,7 +61,11 @@ class ServerConfig:
     access_log: bool = False
     log_level: str = "info"
     # Secret that signs session and future IDs; empty means a random one per run.
+    # Several hosts behind one balancer must share it (docs/MULTI_HOST.md).
     id_secret: str = ""
+    # This host's name in future IDs (1-16 of [a-z0-9]); with several hosts, unique per host and
+    # equal to the host's server name in the HAProxy config (docs/MULTI_HOST.md).
+    host_id: str = "h0"
 
     def validate(self) -> None:
         _check(self.port, "server.port", 0 <= self.port <= 65535, "must be 0..65535")
@@ -72,6 +76,8 @@ class ServerConfig:
         _check(self.graceful_shutdown_s, "server.graceful_shutdown_s", self.graceful_shutdown_s >= 0, "must be >= 0")
         _check(self.log_level, "server.log_level", self.log_level in ("debug", "info", "warning", "error"),
                "must be one of debug, info, warning, error")
+        _check(self.host_id, "server.host_id", re.fullmatch(r"[a-z0-9]{1,16}", self.host_id) is not None,
+               "must be 1-16 characters of [a-z0-9]")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,14 +2,26 @@
 
 A future ID (the ``request_id`` the SDK polls) is::
 
-    f<run:8 hex>-<random:32 hex>-<mac:16 hex>
+    f<run:8 hex>-<host:1-16 of [a-z0-9]>-<random:32 hex>-<mac:16 hex>
 
 * ``run`` identifies the server run that issued it, so a poll for an ID of an
   earlier run answers 410 (the SDK then resubmits) instead of 404.
+* ``host`` is the issuing gateway host's ``server.host_id``: always the second
+  ``-``-separated field, so a load balancer routes a poll to the future's owner
+  without knowing anything else of the format (HAProxy:
+  ``json_query('$.request_id'),field(2,-)``; see :mod:`shardserver.haproxy`).
 * ``random`` carries 128 random bits: one client cannot read another's result
   by counting.
-* ``mac`` is a keyed BLAKE2b of (run, random, owner) with the run's secret:
-  an ID this run never issued (or issued to another API key) is answered 404.
+* ``mac`` is a keyed BLAKE2b of (run, host, random, owner) with the secret: an
+  ID this run never issued (or issued to another API key) is answered 404. An
+  ID whose MAC verifies but whose host part names another host (its owner is
+  down, so the balancer sent the poll elsewhere) is answered 410; that needs
+  the hosts to share ``server.id_secret``. An ID whose host part was edited is
+  served by no host: the issuer and third hosts answer 404, the host it now
+  names sees another run's ID and answers 410 as for any earlier run.
+
+IDs of the format before host ids (``f<run>-<random>-<mac>``) come from an
+earlier run by construction and are answered 410 as well.
 
 The owning shard is ``blake2b(id) mod S``; encoder ``s`` mints IDs by drawing
 random parts until the hash lands on ``s`` (S draws on average).
@@ -30,9 +42,11 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["IdSigner", "FutureIdStatus", "shard_of", "SamplingSession"]
+__all__ = ["IdSigner", "FutureIdStatus", "shard_of", "SamplingSession", "HOST_ID_RE", "future_host"]
 
-_FID_RE = re.compile(r"^f([0-9a-f]{8})-([0-9a-f]{32})-([0-9a-f]{16})$")
+# The host group is optional only to recognise IDs minted before host ids existed.
+_FID_RE = re.compile(r"^f([0-9a-f]{8})-(?:([a-z0-9]{1,16})-)?([0-9a-f]{32})-([0-9a-f]{16})$")
+HOST_ID_RE = re.compile(r"[a-z0-9]{1,16}")
 
 
 def shard_of(id_str: str, shards: int) -> int:
@@ -41,12 +55,19 @@ def shard_of(id_str: str, shards: int) -> int:
     return int.from_bytes(h, "little") % shards
 
 
+def future_host(fid: str) -> str:
+    """The host part of a future ID (``""`` if it has none); what the balancer routes on."""
+    parts = fid.split("-")
+    return parts[1] if len(parts) == 4 else ""
+
+
 class FutureIdStatus(enum.Enum):
     """What :meth:`IdSigner.check_future_id` makes of a future ID."""
 
-    OK = "ok"                     # issued by this run to this owner
-    FOREIGN_RUN = "foreign_run"   # well-formed, from an earlier run: 410
-    INVALID = "invalid"           # malformed or never issued: 404
+    OK = "ok"                       # issued by this run to this owner
+    FOREIGN_RUN = "foreign_run"     # well-formed, from an earlier run: 410
+    FOREIGN_HOST = "foreign_host"   # valid MAC, issued by another gateway host: 410
+    INVALID = "invalid"             # malformed or never issued: 404
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,41 +84,56 @@ class IdSigner:
     """Mints and verifies IDs with one run's secret.
 
     Args:
-        secret: the signing key (bytes, any length up to 64).
+        secret: the signing key (bytes, any length up to 64); shared by every host behind one balancer.
         run_id: 8 lowercase hex characters naming this server run.
+        host_id: this gateway host's ``server.host_id`` (1-16 of ``[a-z0-9]``), written into future IDs.
+
+    Raises:
+        ValueError: ``run_id`` or ``host_id`` malformed.
     """
 
-    def __init__(self, secret: bytes, run_id: str) -> None:
+    def __init__(self, secret: bytes, run_id: str, host_id: str = "h0") -> None:
         if not re.fullmatch(r"[0-9a-f]{8}", run_id):
             raise ValueError(f"run_id must be 8 hex characters, got {run_id!r}")
+        if not HOST_ID_RE.fullmatch(host_id):
+            raise ValueError(f"host_id must be 1-16 characters of [a-z0-9], got {host_id!r}")
         self._key = hashlib.blake2b(secret, digest_size=32).digest()
         self.run_id = run_id
+        self.host_id = host_id
 
     def _mac(self, msg: str, n: int = 8) -> str:
         return hashlib.blake2b(msg.encode(), key=self._key, digest_size=n).hexdigest()
 
     # -- futures ---------------------------------------------------------------------------
     def mint_future_id(self, shard: int, shards: int, owner: str = "") -> str:
-        """A fresh future ID whose :func:`shard_of` is ``shard``."""
+        """A fresh future ID of this run and host whose :func:`shard_of` is ``shard``."""
+        run, host = self.run_id, self.host_id
         while True:
             rnd = os.urandom(16).hex()
-            fid = f"f{self.run_id}-{rnd}-{self._mac(f'{self.run_id}.{rnd}.{owner}')}"
+            fid = f"f{run}-{host}-{rnd}-{self._mac(f'{run}.{host}.{rnd}.{owner}')}"
             if shard_of(fid, shards) == shard:
                 return fid
 
     def check_future_id(self, fid: object, owner: str = "") -> FutureIdStatus:
-        """Classify a future ID: :class:`FutureIdStatus` OK, FOREIGN_RUN or INVALID."""
+        """Classify a future ID: :class:`FutureIdStatus` OK, FOREIGN_RUN, FOREIGN_HOST or INVALID.
+
+        Another host's ID is FOREIGN_HOST only if its MAC verifies with this signer's secret
+        (so a changed host part is INVALID); an ID of an earlier run of this host is
+        FOREIGN_RUN without a MAC check (that run's secret may have been a random one).
+        """
         if not isinstance(fid, str):
             return FutureIdStatus.INVALID
         m = _FID_RE.match(fid)
         if m is None:
             return FutureIdStatus.INVALID
-        run, rnd, mac = m.groups()
-        if run != self.run_id:
+        run, host, rnd, mac = m.groups()
+        if host is None:
+            return FutureIdStatus.FOREIGN_RUN  # minted before host ids: an earlier run
+        if host == self.host_id and run != self.run_id:
             return FutureIdStatus.FOREIGN_RUN
-        if not hmac.compare_digest(mac, self._mac(f"{run}.{rnd}.{owner}")):
+        if not hmac.compare_digest(mac, self._mac(f"{run}.{host}.{rnd}.{owner}")):
             return FutureIdStatus.INVALID
-        return FutureIdStatus.OK
+        return FutureIdStatus.OK if host == self.host_id else FutureIdStatus.FOREIGN_HOST
 
     # -- sessions --------------------------------------------------------------------------
     def _sign_payload(self, prefix: str, payload: dict, owner: str) -> str:

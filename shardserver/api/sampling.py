@@ -194,7 +194,8 @@ async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body:
 async def retrieve_future(request: Request) -> Response:
     """Long-poll a future (up to ``futures.long_poll_s``); the answers are README's ``retrieve_future`` table.
 
-    404 for an ID this run never issued, 410 for one of an earlier run or a lost future, 408
+    404 for an ID this run never issued, 410 for one of an earlier run, of another gateway host
+    (docs/MULTI_HOST.md) or a lost future, 408
     ``try_again`` while pending, 200 with the result bytes (:class:`ResultResponse`) or with
     ``{"error", "category"}`` when the engine failed it.
     """
@@ -211,6 +212,11 @@ async def retrieve_future(request: Request) -> Response:
     if status == FutureIdStatus.FOREIGN_RUN:
         ctx.count("retrieve_410")
         return JSONResponse({"error": "future was issued by an earlier run of the server; resubmit"},
+                            status_code=410, headers=fe_header)
+    if status == FutureIdStatus.FOREIGN_HOST:  # its owner is down (or the balancer ignores owners)
+        ctx.count("retrieve_410")
+        ctx.count("retrieve_410_other_host")
+        return JSONResponse({"error": "future is owned by another gateway host, which is unreachable; resubmit"},
                             status_code=410, headers=fe_header)
     shard = shard_of(fid, shards)
     want = ResultForm.PROTO if PROTO_MEDIA_TYPE in request.headers.get("accept", "") else ResultForm.JSON

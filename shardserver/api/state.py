@@ -37,7 +37,9 @@ class FrontendContext:
         ready_conn: pipe end on which the READY message goes to the supervisor (None after).
         draining: set once shutdown began (polls are not held any more).
         auth: the accepted API keys (digests only).
-        fe_header: ``{"X-Shardserver-Front-End": str(index)}``, the header of most answers.
+        fe_header: ``{"X-Shardserver-Front-End": str(index), "X-Shardserver-Host": server.host_id}``,
+            the headers of most answers (HAProxy's health check compares the host with its server
+            name, so a host configured with the wrong ``server.host_id`` gets no traffic).
     """
 
     cfg: Config
@@ -53,7 +55,7 @@ class FrontendContext:
     fe_header: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.fe_header = {"X-Shardserver-Front-End": str(self.index)}
+        self.fe_header = {"X-Shardserver-Front-End": str(self.index), "X-Shardserver-Host": self.cfg.server.host_id}
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

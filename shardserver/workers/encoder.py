@@ -509,7 +509,8 @@ class EncoderProc:
         from ..health import EngineProbe
 
         probe = EngineProbe(engine_url, cfg.engine.health_interval_s, cfg.engine.connect_timeout_s, shard)
-        core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id), engine_probe=probe)
+        core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id, cfg.server.host_id),
+                           engine_probe=probe)
         probe.start()  # the first probe runs at once; /readyz waits for it
         try:
             os.unlink(sock_path)

@@ -58,8 +58,8 @@ class FrontendProc:
         from ._subprocess import child_setup
 
         child_setup(f"front-end {index}", cfg)
-        ctx = FrontendContext(cfg=cfg, index=index, signer=IdSigner(secret, run_id), socket_paths=socket_paths,
-                              ready_conn=ready_conn, auth=auth or KeyTable.open())
+        ctx = FrontendContext(cfg=cfg, index=index, signer=IdSigner(secret, run_id, cfg.server.host_id),
+                              socket_paths=socket_paths, ready_conn=ready_conn, auth=auth or KeyTable.open())
         app = create_app(ctx)
         ucfg = uvicorn.Config(
             app, loop="uvloop", http="httptools", lifespan="on", access_log=False,  # see shardserver.api.access_log
