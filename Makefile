@@ -5,7 +5,7 @@ SDK024 := .venv-sdk024
 SDK015 := .venv-sdk015
 PIP_FLAGS := --quiet --disable-pip-version-check
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean haproxy
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,17 @@ $(SDK015)/.installed:
 	$(SDK015)/bin/pip install $(PIP_FLAGS) 'tinker==0.15.0'
 	touch $@
 
+# HAProxy >= 2.6 (Debian package) for the multi-host tests in tests/multihost/; installed when
+# missing (needs root, as in CI), left alone when present.
+haproxy:
+	@command -v haproxy >/dev/null 2>&1 || test -x /usr/sbin/haproxy || { \
+	  if [ "$$(id -u)" != 0 ]; then echo "haproxy is missing: apt-get install haproxy (as root)" >&2; exit 1; fi; \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y haproxy; }
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/shardserver demo --config configs/demo.toml
 
-test: $(VENV)/.installed $(SDK024)/.installed $(SDK015)/.installed
+test: $(VENV)/.installed $(SDK024)/.installed $(SDK015)/.installed haproxy
 	SHARDSERVER_OLD_SDKS_REQUIRED=1 $(VENV)/bin/python -m pytest
 
 bench: $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""``shardserver`` command line: serve, engine-sim, config, demo."""
+"""``shardserver`` command line: serve, engine-sim, config, demo, haproxy-config."""
 
 from __future__ import annotations
 
@@ -73,6 +73,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     concurrency=args.concurrency)
 
 
+def _cmd_haproxy_config(args: argparse.Namespace) -> int:
+    from .haproxy import parse_host, render_haproxy_config
+
+    try:
+        text = render_haproxy_config([parse_host(h) for h in args.host], bind=args.bind, stats_bind=args.stats_bind,
+                                     check_interval_ms=args.check_interval_ms, fall=args.fall, rise=args.rise,
+                                     maxconn=args.maxconn, timeout_server_s=args.timeout_server_s,
+                                     check_timeout_s=args.check_timeout_s)
+    except ValueError as exc:
+        print(f"shardserver haproxy-config: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shardserver", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -104,6 +119,23 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--tokens", type=int, default=4096)
     d.add_argument("--concurrency", type=int, default=64)
     d.set_defaults(func=_cmd_demo)
+
+    h = sub.add_parser("haproxy-config", help="print an haproxy.cfg for several gateway hosts (docs/MULTI_HOST.md)")
+    h.add_argument("--host", action="append", required=True, metavar="HOST_ID=HOST:PORT",
+                   help="one gateway host: its server.host_id and address (repeat per host)")
+    h.add_argument("--bind", default="0.0.0.0:8080", help="where HAProxy listens for SDK clients")
+    h.add_argument("--stats-bind", dest="stats_bind", default="127.0.0.1:8404",
+                   help="stats page (/stats) and Prometheus exporter (/metrics) address")
+    h.add_argument("--check-interval-ms", dest="check_interval_ms", type=int, default=2000,
+                   help="health-check interval per host, ms")
+    h.add_argument("--fall", type=int, default=2, help="failed checks before a host is marked down")
+    h.add_argument("--rise", type=int, default=2, help="passed checks before a host is marked up again")
+    h.add_argument("--maxconn", type=int, default=20000, help="HAProxy's global connection limit")
+    h.add_argument("--timeout-server-s", dest="timeout_server_s", type=int, default=60,
+                   help="seconds a host may take to answer (> futures.long_poll_s)")
+    h.add_argument("--check-timeout-s", dest="check_timeout_s", type=int, default=5,
+                   help="seconds a health check waits for /readyz to answer")
+    h.set_defaults(func=_cmd_haproxy_config)
 
     args = p.parse_args(argv)
     try:

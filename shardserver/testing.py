@@ -20,7 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunningServer", "http_json", "our_shm_segments", "our_processes", "leftovers_of_started_servers"]
+__all__ = ["RunningServer", "http_json", "our_shm_segments", "our_processes", "leftovers_of_started_servers",
+           "RunningHaproxy", "find_haproxy", "free_port", "http_counts"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -192,3 +193,154 @@ class RunningServer:
         status, _, body = http_json(self.url + "/stats")
         assert status == 200, body
         return json.loads(body)
+
+
+# -- several hosts behind HAProxy (tests/multihost/, benchmarks/bench_multihost.py) -------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, close)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_haproxy() -> tuple[str | None, str]:
+    """(path of an HAProxy >= 2.6 binary or None, why not): looks on PATH and in /usr/sbin."""
+    import re
+    import shutil
+
+    path = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
+    if path is None:
+        return None, "haproxy is not installed (make test installs it: apt-get install haproxy)"
+    out = subprocess.run([path, "-v"], capture_output=True, text=True, timeout=10).stdout
+    m = re.search(r"version (\d+)\.(\d+)", out)
+    if m is None or (int(m.group(1)), int(m.group(2))) < (2, 6):
+        return None, f"{path} is not HAProxy >= 2.6: {out.splitlines()[:1]}"
+    return path, ""
+
+
+def http_counts(url: str) -> dict[tuple[str, str], float]:
+    """``shardserver_http_requests_total`` of one gateway host: {(endpoint, code): count}."""
+    import re
+
+    status, _, body = http_json(url + "/metrics")
+    assert status == 200, body[:200]
+    out: dict[tuple[str, str], float] = {}
+    for m in re.finditer(r'^shardserver_http_requests_total\{([^}]*)\} (\S+)$', body.decode(), re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        key = (labels.get("endpoint", ""), labels.get("code", ""))
+        out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+class RunningHaproxy:
+    """Context manager running HAProxy in the foreground (``-db``) in front of gateway hosts.
+
+    The config comes from :func:`shardserver.haproxy.render_haproxy_config` (what
+    ``shardserver haproxy-config`` prints), written to ``workdir/haproxy.cfg``; HAProxy listens
+    on a free 127.0.0.1 port (``url``), its stats page on another (``stats_url``).
+
+    Args:
+        hosts: (host_id, "127.0.0.1:port") of every gateway host.
+        workdir: where the config and HAProxy's output go.
+        haproxy: the binary (:func:`find_haproxy`).
+        check_interval_ms, fall, rise: health-check settings passed to the generator.
+        start_timeout: seconds to wait for the stats page and for every server to be UP.
+    """
+
+    def __init__(self, hosts: list[tuple[str, str]], workdir: str | os.PathLike[str], haproxy: str = "haproxy",
+                 check_interval_ms: int = 2000, fall: int = 2, rise: int = 2, start_timeout: float = 20.0,
+                 wait_all_up: bool = True) -> None:
+        self.hosts = hosts
+        self.workdir = Path(workdir)
+        self.haproxy = haproxy
+        self.check = (check_interval_ms, fall, rise)
+        self.start_timeout = start_timeout
+        self.wait_all_up = wait_all_up
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = self.stats_port = 0
+        self.url = self.stats_url = ""
+        self.config_path = self.workdir / "haproxy.cfg"
+        self.log_path = self.workdir / "haproxy.log"
+
+    def __enter__(self) -> "RunningHaproxy":
+        from .haproxy import GatewayHost, render_haproxy_config
+
+        self.port, self.stats_port = free_port(), free_port()
+        self.url, self.stats_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.stats_port}"
+        inter, fall, rise = self.check
+        self.config_path.write_text(render_haproxy_config(
+            [GatewayHost(h, a) for h, a in self.hosts], bind=f"127.0.0.1:{self.port}",
+            stats_bind=f"127.0.0.1:{self.stats_port}", check_interval_ms=inter, fall=fall, rise=rise, maxconn=4096))
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([self.haproxy, "-db", "-f", str(self.config_path)], stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"haproxy exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                states = self.server_states()
+                if not self.wait_all_up or all(st == "UP" for st in states.values()):
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"haproxy did not start or its servers are not UP:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stats(self) -> list[dict[str, str]]:
+        """HAProxy's stats CSV (``/stats;csv``): one dict per proxy/server row (``pxname``, ``svname``,
+        ``status``, ``stot`` sessions, ``hrsp_2xx``..., ``check_status``, ...)."""
+        import csv
+
+        with urllib.request.urlopen(self.stats_url + "/stats;csv", timeout=5) as resp:
+            text = resp.read().decode()
+        rows = list(csv.reader(text.lstrip("# ").splitlines()))
+        return [dict(zip(rows[0], r)) for r in rows[1:] if r]
+
+    def server_states(self) -> dict[str, str]:
+        """{host_id: "UP" | "DOWN" | ...} of the gateways backend's servers."""
+        return {r["svname"]: r["status"].split(" ")[0] for r in self.stats()
+                if r["pxname"] == "gateways" and r["svname"] not in ("FRONTEND", "BACKEND")}
+
+    def wait_state(self, host_id: str, state: str, timeout: float) -> float:
+        """Wait until ``host_id`` has ``state`` in HAProxy's view; returns the seconds waited.
+
+        Raises:
+            TimeoutError: not reached within ``timeout`` seconds.
+        """
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.server_states().get(host_id) == state:
+                return time.monotonic() - t0
+            time.sleep(0.05)
+        raise TimeoutError(f"haproxy server {host_id} not {state} after {timeout} s: {self.server_states()}")
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the HAProxy process so far (s)."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        """SIGTERM (HAProxy's hard stop), wait, then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
