@@ -307,23 +307,31 @@ class RunningHaproxy:
         rows = list(csv.reader(text.lstrip("# ").splitlines()))
         return [dict(zip(rows[0], r)) for r in rows[1:] if r]
 
-    def server_states(self) -> dict[str, str]:
-        """{host_id: "UP" | "DOWN" | ...} of the gateways backend's servers."""
-        return {r["svname"]: r["status"].split(" ")[0] for r in self.stats()
-                if r["pxname"] == "gateways" and r["svname"] not in ("FRONTEND", "BACKEND")}
+    def server_states(self, backend: str | None = None) -> dict[str, str]:
+        """{host_id: "UP" | "DOWN" | ...} of one backend's servers (``gateways``: asample and the
+        rest, checked with /readyz; ``owners``: retrieve_future, checked with /healthz), or of
+        both as {"gateways/h1": ...} when ``backend`` is None."""
+        out = {}
+        for r in self.stats():
+            if r["pxname"] in ("gateways", "owners") and r["svname"] not in ("FRONTEND", "BACKEND"):
+                if backend is None:
+                    out[f"{r['pxname']}/{r['svname']}"] = r["status"].split(" ")[0]
+                elif r["pxname"] == backend:
+                    out[r["svname"]] = r["status"].split(" ")[0]
+        return out
 
-    def wait_state(self, host_id: str, state: str, timeout: float) -> float:
-        """Wait until ``host_id`` has ``state`` in HAProxy's view; returns the seconds waited.
+    def wait_state(self, host_id: str, state: str, timeout: float, backend: str = "gateways") -> float:
+        """Wait until ``host_id`` has ``state`` in ``backend``; returns the seconds waited.
 
         Raises:
             TimeoutError: not reached within ``timeout`` seconds.
         """
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
-            if self.server_states().get(host_id) == state:
+            if self.server_states(backend).get(host_id) == state:
                 return time.monotonic() - t0
             time.sleep(0.05)
-        raise TimeoutError(f"haproxy server {host_id} not {state} after {timeout} s: {self.server_states()}")
+        raise TimeoutError(f"haproxy {backend}/{host_id} not {state} after {timeout} s: {self.server_states()}")
 
     def cpu_seconds(self) -> float:
         """utime + stime of the HAProxy process so far (s)."""

@@ -20,6 +20,8 @@ def main() -> None:
     url, n, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     service = tinker.ServiceClient(base_url=url, api_key="tml-multihost")
     sampler = service.create_sampling_client(base_model="Qwen/Qwen3-8B")
+    if not hasattr(type(sampler), "sample"):  # 0.38 returns a future of the client, 0.24 the client
+        sampler = sampler.result(60)
     t0 = time.monotonic()
     futures = [sampler.sample(prompt=types.ModelInput.from_ints([7, i]), num_samples=1,
                               sampling_params=types.SamplingParams(max_tokens=max_tokens, seed=i, temperature=1.0))

@@ -7,6 +7,8 @@ interval); HAProxy runs in the foreground as a subprocess. Checked:
   hosts; every poll reached the future's owner (per host, from ``/metrics``: retrieve_future
   200s equal the asample 200s, no 410 and no 404 anywhere);
 * a host with the wrong ``server.host_id`` fails HAProxy's health check and gets no traffic;
+* a host whose engine is unreachable (not ready) gets no new samples but still serves the
+  finished results it owns (h3 runs against a standalone engine simulator that is killed);
 * SIGKILL of one host mid-burst: every sample completes exactly, no error reaches the user (live
   hosts answered 410 for the dead host's futures and the SDK resubmitted); the host restarted
   on the same port with the same host id is UP again within its health-check interval and
@@ -27,7 +29,9 @@ from pathlib import Path
 import pytest
 
 from conftest import engine_body, expected_sequences, old_sdk_python
-from shardserver.testing import RunningHaproxy, RunningServer, find_haproxy, http_counts, http_json
+from conftest import Api
+from shardserver.ids import future_host
+from shardserver.testing import RunningHaproxy, RunningServer, find_haproxy, free_port, http_counts, http_json
 
 pytestmark = [pytest.mark.sdk, pytest.mark.slow]
 
@@ -41,12 +45,49 @@ KEYS = {"asample": ("asample", "200"), "done": ("retrieve_future", "200"),
         "gone": ("retrieve_future", "410"), "unknown": ("retrieve_future", "404")}
 
 
-def host_env(host_id: str) -> dict[str, str]:
-    return {"SHARDSERVER_SERVER__HOST_ID": host_id, "SHARDSERVER_SERVER__ID_SECRET": SECRET,
-            "SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
-            "SHARDSERVER_SHARDS__ARENA_BYTES": str(32 * 1024 * 1024),
-            # Results take a moment, so a host killed mid-burst holds pending futures.
-            "SHARDSERVER_SIMULATOR__LATENCY_S": "0.2"}
+# Results take a moment, so a host killed mid-burst holds pending futures.
+SIM_ENV = {"SHARDSERVER_SIMULATOR__LATENCY_S": "0.2"}
+ENGINE_HOST = "h3"  # runs against a standalone engine simulator (the others embed theirs)
+
+
+def host_env(host_id: str, engine_port: int = 0) -> dict[str, str]:
+    env = {"SHARDSERVER_SERVER__HOST_ID": host_id, "SHARDSERVER_SERVER__ID_SECRET": SECRET,
+           "SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(32 * 1024 * 1024), **SIM_ENV}
+    if engine_port:
+        env.update({"SHARDSERVER_ENGINE__URL": f"http://127.0.0.1:{engine_port}",
+                    "SHARDSERVER_ENGINE__HEALTH_INTERVAL_S": "0.2"})
+    return env
+
+
+class EngineSim:
+    """``shardserver engine-sim`` as a process of its own on a fixed port (killed and restarted by a test)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "EngineSim":
+        repo = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardserver.cli", "engine-sim", "--port", str(self.port),
+                                      "--config", str(repo / "configs" / "demo.toml")],
+                                     env={**os.environ, **SIM_ENV}, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, cwd=repo)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "engine-sim exited at start"
+            try:
+                if http_json(f"http://127.0.0.1:{self.port}/health", timeout=2)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("engine-sim did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +104,7 @@ class Cluster:
     def __init__(self) -> None:
         self.servers: dict[str, RunningServer] = {}
         self.haproxy: RunningHaproxy | None = None
+        self.engine = EngineSim(free_port())
 
     def counts(self, host: str) -> dict[str, float]:
         c = http_counts(self.servers[host].url)
@@ -75,8 +117,10 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(haproxy_bin, tmp_path_factory):
     c = Cluster()
+    c.engine.start()
     with ThreadPoolExecutor(len(HOSTS)) as pool:
-        started = {h: pool.submit(RunningServer(env=host_env(h)).__enter__) for h in HOSTS}
+        started = {h: pool.submit(RunningServer(env=host_env(h, c.engine.port if h == ENGINE_HOST else 0)).__enter__)
+                   for h in HOSTS}
     try:
         for h, f in started.items():
             c.servers[h] = f.result()
@@ -92,6 +136,7 @@ def cluster(haproxy_bin, tmp_path_factory):
                 f.result().stop()
         for s in c.servers.values():
             s.stop()
+        c.engine.kill()
     for h, s in c.servers.items():
         assert s.proc is not None and s.proc.returncode == 0, "\n".join(s.log_lines[-30:])
         assert not s.leftover_processes, h
@@ -160,11 +205,14 @@ def test_health_check_needs_the_matching_host_id(cluster, haproxy_bin, tmp_path)
     with RunningHaproxy([("h1", h1), ("h9", h1)], tmp_path, haproxy_bin, check_interval_ms=CHECK_MS,
                         rise=RISE, wait_all_up=False) as hp:
         hp.wait_state("h1", "UP", 10)
+        hp.wait_state("h1", "UP", 10, backend="owners")
         time.sleep(CHECK_MS * (RISE + 2) / 1000)
-        rows = {r["svname"]: r for r in hp.stats() if r["pxname"] == "gateways"}
-        assert rows["h1"]["status"] == "UP" and rows["h9"]["status"] == "DOWN", rows
-        print({k: rows["h9"][k] for k in ("check_status", "check_code", "check_desc", "last_chk")})
-        assert rows["h9"]["check_status"] == "L7STS", rows["h9"]  # a 200 answer that fails the header rule
+        rows = {(r["pxname"], r["svname"]): r for r in hp.stats() if r["pxname"] in ("gateways", "owners")}
+        for backend in ("gateways", "owners"):
+            assert rows[backend, "h1"]["status"] == "UP", rows[backend, "h1"]
+            # A 200 answer that fails the X-Shardserver-Host rule ("Layer7 wrong status").
+            h9 = rows[backend, "h9"]
+            assert (h9["status"], h9["check_status"], h9["check_code"]) == ("DOWN", "L7STS", "200"), h9
         for _ in range(4):
             st, hdr, _ = http_json(hp.url + "/healthz")
             assert st == 200 and hdr["x-shardserver-host"] == "h1"
@@ -191,6 +239,46 @@ def test_sdk024_burst_through_haproxy_reaches_owners(cluster):
     assert_polls_reached_owners(delta(cluster.all_counts(), before), 128)
 
 
+@pytest.mark.timeout(120)
+def test_owner_not_ready_still_serves_its_results(cluster):
+    """h3's engine dies: h3 leaves "gateways" (no new samples) but stays in "owners", so the
+    results it finished are still delivered through HAProxy; the engine returns, so does h3."""
+    hp, host = cluster.haproxy, cluster.servers[ENGINE_HOST]
+    via, direct = Api(hp.url), Api(host.url)
+    ssid = via.sampling_session()
+    before = http_counts(host.url)
+
+    def completed() -> int:
+        return host.stats()["shards"][0]["counters"].get("completed", 0)
+
+    done0 = completed()
+    fids = [direct.submit(ssid, [7, 900 + i], seq_id=i, max_tokens=TOKENS, seed=900 + i) for i in range(3)]
+    assert {future_host(f) for f in fids} == {ENGINE_HOST}
+    deadline = time.monotonic() + 30
+    while completed() < done0 + 3:
+        assert time.monotonic() < deadline, "h3 did not complete its 3 results"
+        time.sleep(0.05)
+    cluster.engine.kill()
+    hp.wait_state(ENGINE_HOST, "DOWN", 10, backend="gateways")
+    assert hp.server_states("owners")[ENGINE_HOST] == "UP"
+    for i, fid in enumerate(fids):
+        st, hdr, body = via.post("/api/v1/retrieve_future", {"request_id": fid})
+        assert (st, hdr["x-shardserver-host"]) == (200, ENGINE_HOST), body
+        seq = json.loads(body)["sequences"][0]
+        w = expected_sequences(engine_body([7, 900 + i], 1, TOKENS, 900 + i))[0]
+        assert (seq["tokens"], seq["logprobs"]) == (w["tokens"], [float(x) for x in w["logprobs"]])
+    # New samples go to the ready hosts only.
+    new = [via.submit(ssid, [7, 950 + i], seq_id=100 + i, max_tokens=TOKENS, seed=950 + i) for i in range(6)]
+    assert ENGINE_HOST not in {future_host(f) for f in new}
+    for fid in new:
+        st, _, body = via.post("/api/v1/retrieve_future", {"request_id": fid})
+        assert st == 200, body
+    after = http_counts(host.url)
+    assert after.get(("retrieve_future", "200"), 0) - before.get(("retrieve_future", "200"), 0) == 3
+    cluster.engine.start()
+    hp.wait_state(ENGINE_HOST, "UP", 15, backend="gateways")
+
+
 @pytest.mark.timeout(300)
 def test_host_sigkilled_mid_burst_then_back(cluster):
     victim, live = "h2", ("h1", "h3")
@@ -212,14 +300,15 @@ def test_host_sigkilled_mid_burst_then_back(cluster):
     finish_burst(proc, 512, "0.38.0")
     # The dead host's pending futures were answered 410 by live hosts; the SDK resubmitted them there.
     live_410 = sum(cluster.servers[h].stats()["counters"].get("retrieve_410_other_host", 0) for h in live)
+    print(f"killed {victim}: live hosts answered {live_410 - live_410_before} polls for its futures with 410")
     assert live_410 - live_410_before >= 1
     d = delta(cluster.all_counts(live), {h: before[h] for h in live})
     assert all(d[h]["unknown"] == 0 for h in live), d
-    assert hp.server_states()[victim] == "DOWN"
+    assert hp.server_states("gateways")[victim] == hp.server_states("owners")[victim] == "DOWN"
 
     # The host comes back on the same port with the same host id: UP again within its check interval.
     cluster.servers[victim] = RunningServer(env=host_env(victim), args=["--port", str(port)]).__enter__()
-    waited = hp.wait_state(victim, "UP", timeout=30)
+    waited = max(hp.wait_state(victim, "UP", timeout=30, backend=b) for b in ("gateways", "owners"))
     print(f"{victim} UP in HAProxy {waited:.2f} s after /readyz answered 200 (inter {CHECK_MS} ms, rise {RISE})")
     assert waited <= RISE * CHECK_MS / 1000 + 3.0
     before = cluster.all_counts()

@@ -29,7 +29,7 @@ def test_sample_config_is_the_generators_output():
     assert out.stdout == text
 
 
-def test_adding_a_host_is_one_line():
+def test_adding_a_host_is_its_server_line_in_each_backend():
     two = [parse_host("h1=10.0.0.11:8000"), parse_host("h2=10.0.0.12:8000")]
     three = [*two, GatewayHost("h3", "10.0.0.13:8000")]
 
@@ -37,8 +37,11 @@ def test_adding_a_host_is_one_line():
         return [ln for ln in render_haproxy_config(hosts).splitlines() if not ln.startswith("#")]
 
     a, b = body(two), body(three)
-    assert len(b) == len(a) + 1
-    assert [ln for ln in b if ln not in a] == ["    server h3 10.0.0.13:8000"]
+    assert len(b) == len(a) + 2
+    assert [ln for ln in b if ln not in a] == ["    server h3 10.0.0.13:8000"] * 2
+    # ...one in "gateways" (asample, /readyz) and one in "owners" (retrieve_future, /healthz).
+    backends = [ln.split()[1] for ln in b if ln.startswith("backend ")]
+    assert backends == ["gateways", "owners"]
 
 
 def test_haproxy_accepts_the_generated_config(tmp_path):
