@@ -18,6 +18,9 @@ package). Routing is configuration, not code of ours:
   serves. A request that meets a dead host before its health check has noticed is re-sent to
   another host by HAProxy (``retry-on conn-failure empty-response``, ``option redispatch 1``),
   and ten such errors mark the host down at once (``observe layer4``).
+* When no host is alive at all, HAProxy itself answers polls with 410 (every future is gone:
+  a host that comes back starts a new run), so the SDK resubmits and backs off on ``asample``
+  instead of re-polling at once on 503s.
 * Both checks also require ``X-Shardserver-Host`` equal to the server's name, so a host started
   with the wrong ``server.host_id`` receives no traffic.
 * HAProxy's stats page (HTML, ``;csv`` for scripts) and its Prometheus exporter
@@ -171,6 +174,9 @@ backend owners
 {common}
     http-check send meth GET uri /healthz
 {check}
+    # No host alive: every future is gone (a host that comes back starts a new run). 410 makes the
+    # SDK resubmit the sample, and its asample retries back off until a host is ready.
+    http-request return status 410 content-type application/json string '{{"error":"no gateway host is up; resubmit"}}' if {{ nbsrv lt 1 }}
     http-request wait-for-body time 2s
     http-request set-var(txn.owner) req.body,json_query('$.request_id'),field(2,-)
     use-server %[var(txn.owner)] if {{ var(txn.owner) -m found }}

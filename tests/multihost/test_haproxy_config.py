@@ -77,3 +77,30 @@ def test_bad_input_is_refused(args, message):
     out = cli(*args)
     assert out.returncode == 2 and out.stdout == ""
     assert message in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_no_host_up_polls_answer_410_and_submits_503(tmp_path):
+    """Every host down: polls get 410 from HAProxy itself (the SDK resubmits, its asample retries
+    back off on 503) instead of 503s that the SDK would re-poll at once, forever."""
+    import json
+
+    from shardserver.testing import RunningHaproxy, free_port, http_json
+
+    path, why = find_haproxy()
+    if path is None:
+        import os
+
+        if os.environ.get("SHARDSERVER_OLD_SDKS_REQUIRED"):
+            pytest.fail(f"{why}; make test requires it")
+        pytest.skip(why)
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with RunningHaproxy([("h1", dead)], tmp_path, path, check_interval_ms=200, wait_all_up=False) as hp:
+        hp.wait_state("h1", "DOWN", 10, backend="owners")
+        hp.wait_state("h1", "DOWN", 10, backend="gateways")
+        st, hdr, body = http_json(hp.url + "/api/v1/retrieve_future", {"request_id": "f0a1b2c3d-h1-" + "ab" * 16
+                                                                        + "-" + "cd" * 8})
+        assert st == 410 and hdr["content-type"] == "application/json", body
+        assert json.loads(body) == {"error": "no gateway host is up; resubmit"}
+        st, _, body = http_json(hp.url + "/api/v1/asample", {"sampling_session_id": "x"})
+        assert st == 503, body
