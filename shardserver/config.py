@@ -41,6 +41,7 @@ __all__ = [
     "mask_url",
     "mask_urls_in",
     "engine_base_url",
+    "default_state_dir",
 ]
 
 ENV_PREFIX = "SHARDSERVER_"
@@ -60,12 +61,20 @@ class ServerConfig:
     graceful_shutdown_s: float = 5.0
     access_log: bool = False
     log_level: str = "info"
-    # Secret that signs session and future IDs; empty means a random one per run.
+    # Secret that signs session and future IDs. Empty: the secret kept in
+    # ``<state_dir>/id_secret`` (created once, 0600), so sessions survive restarts.
     # Several hosts behind one balancer must share it (docs/MULTI_HOST.md).
     id_secret: str = ""
     # This host's name in future IDs (1-16 of [a-z0-9]); with several hosts, unique per host and
     # equal to the host's server name in the HAProxy config (docs/MULTI_HOST.md).
     host_id: str = "h0"
+    # Directory for state kept across restarts (the ``id_secret`` file). Empty in a file or the
+    # environment means ``$XDG_STATE_HOME/shardserver`` or ``~/.local/state/shardserver``
+    # (filled in by :func:`config_from_mapping`).
+    state_dir: str = ""
+    # True: a secret that cannot be read or created is a startup error (exit 2) instead of a
+    # warning and a random per-run secret (under which sessions do not survive a restart).
+    require_persistent_secret: bool = False
 
     def validate(self) -> None:
         _check(self.port, "server.port", 0 <= self.port <= 65535, "must be 0..65535")
@@ -78,6 +87,8 @@ class ServerConfig:
                "must be one of debug, info, warning, error")
         _check(self.host_id, "server.host_id", re.fullmatch(r"[a-z0-9]{1,16}", self.host_id) is not None,
                "must be 1-16 characters of [a-z0-9]")
+        _check(self.state_dir, "server.state_dir", self.state_dir == "" or os.path.isabs(self.state_dir),
+               "must be an absolute path (or ~/...)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +282,7 @@ def _mask(d: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in d.items():
         kl = k.lower()
-        if v not in ("", None) and any(p in kl for p in _SECRET_NAME_PARTS):
+        if v not in ("", None) and not isinstance(v, bool) and any(p in kl for p in _SECRET_NAME_PARTS):
             v = "***"
         elif isinstance(v, str) and v.startswith(("tml-", "eyJ")):
             v = "***"
@@ -328,7 +339,26 @@ def config_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None =
     sim = {k: _parse_env_scalar(v) if isinstance(v, EnvText) else v for k, v in sim.items()}
     cfg = Config(**{name: _build_section(name, merged.get(name, {})) for name in _SECTIONS},
                  simulator=sim, source=source)
+    state_dir = cfg.server.state_dir or default_state_dir(env)
+    if state_dir == "~" or state_dir.startswith("~/"):
+        state_dir = env.get("HOME", "") + state_dir[1:]
+    if state_dir != cfg.server.state_dir:
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, state_dir=state_dir))
     return cfg.validate()
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> str:
+    """Where ``server.state_dir`` points when unset: ``$XDG_STATE_HOME/shardserver``, else
+    ``$HOME/.local/state/shardserver`` (the XDG base-directory default), else ``""`` (no home:
+    nowhere to keep state)."""
+    env = os.environ if env is None else env
+    xdg = env.get("XDG_STATE_HOME", "")
+    if xdg and os.path.isabs(xdg):  # the XDG spec ignores relative paths
+        return os.path.join(xdg, "shardserver")
+    home = env.get("HOME", "")
+    if home and os.path.isabs(home):
+        return os.path.join(home, ".local", "state", "shardserver")
+    return ""
 
 
 def _parse_env_scalar(v: str) -> Any:

@@ -29,6 +29,11 @@ random parts until the hash lands on ``s`` (S draws on average).
 Session and sampling-session IDs are signed the same way and carry what the
 front-ends need (the base model), so any front-end can serve any request with
 no shared session table.
+
+The secret outlives the run (:func:`load_id_secret`): ``server.id_secret`` when set, else the
+file ``<server.state_dir>/id_secret``, created once with mode 0600. So after a restart session
+IDs stay valid, while future IDs carry the new run's prefix and those of the earlier run
+answer 410 (the SDK resubmits).
 """
 
 from __future__ import annotations
@@ -40,9 +45,16 @@ import hmac
 import json
 import os
 import re
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 
-__all__ = ["IdSigner", "FutureIdStatus", "shard_of", "SamplingSession", "HOST_ID_RE", "future_host"]
+from .errors import ConfigError
+
+__all__ = ["IdSigner", "FutureIdStatus", "shard_of", "SamplingSession", "HOST_ID_RE", "future_host", "IdSecret",
+           "load_id_secret", "ID_SECRET_FILE", "MIN_SECRET_CHARS"]
+
+ID_SECRET_FILE = "id_secret"
+MIN_SECRET_CHARS = 16
 
 # The host group is optional only to recognise IDs minted before host ids existed.
 _FID_RE = re.compile(r"^f([0-9a-f]{8})-(?:([a-z0-9]{1,16})-)?([0-9a-f]{32})-([0-9a-f]{16})$")
@@ -169,3 +181,113 @@ class IdSigner:
             return None
         return SamplingSession(session_id=str(p.get("s", "")), base_model=p.get("b"),
                                model_path=p.get("p"), seq=int(p.get("q", 0)))
+
+
+# -- the signing secret ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class IdSecret:
+    """The signing secret of a run and where it came from.
+
+    Attributes:
+        secret: the key bytes handed to :class:`IdSigner` (the stripped file content, or
+            ``server.id_secret`` UTF-8 encoded, or 32 random bytes).
+        source: for the log: ``"server.id_secret"``, the file path, or ``"random"``.
+        persistent: whether the next run will use the same secret (sessions survive a restart).
+        created: the file was created by this call.
+        warnings: lines to log at WARNING (a readable-by-others file, the reason for ``random``).
+    """
+
+    secret: bytes
+    source: str
+    persistent: bool
+    created: bool = False
+    warnings: tuple[str, ...] = field(default=())
+
+
+def load_id_secret(id_secret: str, state_dir: str, require_persistent: bool) -> IdSecret:
+    """The run's ID signing secret, persistent across restarts.
+
+    1. ``id_secret`` (``server.id_secret`` / ``SHARDSERVER_SERVER__ID_SECRET``) when non-empty;
+    2. else the file ``<state_dir>/id_secret``: read if it exists (its content, whitespace
+       stripped, at least :data:`MIN_SECRET_CHARS` characters); otherwise created with
+       64 random hex characters, mode 0600, in ``state_dir`` (made with mode 0700 if missing).
+       Creation writes a temporary file and links it into place, so two servers starting at
+       once end up with the same secret;
+    3. if that fails (or ``state_dir`` is empty): a random secret for this run only, with a
+       warning, unless ``require_persistent`` is true.
+
+    Raises:
+        ConfigError: (key ``server.state_dir``) ``require_persistent`` is true and the secret
+            file cannot be read or created, or (either mode) the file exists but holds fewer than
+            :data:`MIN_SECRET_CHARS` characters.
+    """
+    if id_secret:
+        return IdSecret(id_secret.encode(), "server.id_secret", persistent=True)
+    fallback = ("set server.state_dir to a writable directory, or give the secret in server.id_secret "
+                "(SHARDSERVER_SERVER__ID_SECRET)")
+    if not state_dir:
+        problem = "server.state_dir is empty and there is no $XDG_STATE_HOME or $HOME to put it under"
+    else:
+        path = os.path.join(state_dir, ID_SECRET_FILE)
+        try:
+            return _read_or_create_secret(path)
+        except OSError as exc:
+            problem = f"cannot read or create the ID signing secret {path}: {exc.strerror or exc}"
+    if require_persistent:
+        raise ConfigError("server.state_dir", f"{problem} (server.require_persistent_secret = true: sessions "
+                                              f"must survive restarts; {fallback})")
+    return IdSecret(os.urandom(32), "random", persistent=False,
+                    warnings=(f"{problem}: signing IDs with a random secret for this run only, so SDK sessions "
+                              f"will not survive a restart ({fallback})",))
+
+
+def _read_or_create_secret(path: str) -> IdSecret:
+    created = False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        created = _create_secret_file(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(0, "not a regular file")
+        raw = os.read(fd, 65536)
+    finally:
+        os.close(fd)
+    secret = raw.strip()
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ConfigError("server.state_dir", f"the ID signing secret {path} holds {len(secret)} characters; it "
+                                              f"needs at least {MIN_SECRET_CHARS} (delete it to have a new one "
+                                              "created, which ends the sessions of earlier runs)")
+    warnings = ()
+    if st.st_mode & 0o077:
+        warnings = (f"the ID signing secret {path} is readable by group or others "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}): chmod 600 it",)
+    return IdSecret(secret, path, persistent=True, created=created, warnings=warnings)
+
+
+def _create_secret_file(path: str) -> bool:
+    """Create ``path`` with a fresh secret; False if another process created it first."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        try:
+            os.write(fd, (os.urandom(32).hex() + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # atomic, and never replaces a secret another process just wrote
+        except FileExistsError:
+            return False
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return True
+    finally:
+        os.unlink(tmp)

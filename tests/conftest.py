@@ -22,6 +22,19 @@ def nothing_left_behind():
     assert not procs, f"processes left behind: {procs}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def state_dir_of_the_tests(tmp_path_factory):
+    """Servers the tests start keep their ID secret (``server.state_dir`` defaults to
+    ``$XDG_STATE_HOME/shardserver``) in a temporary directory, not in the user's home."""
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("xdg-state"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old
+
+
 @pytest.fixture(scope="module")
 def server():
     """One gateway for a test module: 2 encoders, 2 front-ends, embedded simulator."""

@@ -3,6 +3,8 @@
 ``Supervisor(cfg).run()`` is ``shardserver serve``:
 
 0. read the API keys (``auth``), failing with a ConfigError if ``mode = "keys"`` finds none;
+   read (or create once) the ID signing secret (:func:`shardserver.ids.load_id_secret`), so
+   that sessions survive restarts;
 1. remove segments and run directories left by dead runs; create this run's
    directory and its ``metrics/`` folder (``PROMETHEUS_MULTIPROC_DIR`` of
    every child, see :mod:`shardserver.metrics`);
@@ -40,6 +42,7 @@ from typing import Any, Callable
 
 from ..api.auth import load_key_table
 from ..config import Config, mask_url
+from ..ids import load_id_secret
 from ..prometheus_dir import mark_process_dead, prepare_prometheus_dir
 from ..shm.arena import create_segment, pid_alive, remove_stale_segments, segment_name, unlink_segment
 
@@ -136,7 +139,11 @@ class Supervisor:
         self.on_ready = on_ready
         self.pid = os.getpid()
         self.run_id = os.urandom(4).hex()
-        self.secret = cfg.server.id_secret.encode() if cfg.server.id_secret else os.urandom(32)
+        # The ID signing secret, kept across restarts (ConfigError naming server.state_dir if
+        # server.require_persistent_secret is set and it cannot be read or created).
+        self.id_secret = load_id_secret(cfg.server.id_secret, cfg.server.state_dir,
+                                        cfg.server.require_persistent_secret)
+        self.secret = self.id_secret.secret
         # API keys, read once here (ConfigError naming auth.keys_file if mode="keys" finds none);
         # front-ends receive only salted digests.
         self.keys = load_key_table(cfg.auth)
@@ -151,6 +158,15 @@ class Supervisor:
         self._signals: list[int] = []
         self._stopping = False
         self.address: tuple[str, int] | None = None
+
+    def _log_id_secret(self) -> None:
+        sec = self.id_secret
+        for w in sec.warnings:
+            log.warning("%s", w)
+        if sec.persistent:
+            how = "created now" if sec.created else "read"
+            where = sec.source if sec.source == "server.id_secret" else f"{sec.source} ({how})"
+            log.info("signing IDs with the secret from %s: sessions survive restarts", where)
 
     # -- signals -------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -260,6 +276,7 @@ class Supervisor:
         cfg = self.cfg
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
+            self._log_id_secret()
             removed = remove_stale_segments()
             if removed:
                 log.info("removed %d shared-memory segments of dead runs", len(removed))

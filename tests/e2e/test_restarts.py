@@ -1,0 +1,161 @@
+"""Restarts that clients survive (issue 11, items 1-3): the real SDK keeps sampling while the
+gateway is stopped (SIGTERM) or crashes (SIGKILL) and is started again on the same port."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from conftest import BASE_MODEL, Api, engine_body, expected_sequences
+from shardserver.testing import REPO, RunningServer, http_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+API_KEY = "tml-restart-test-key-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(state_home, **extra: str) -> dict[str, str]:
+    """A small gateway whose ID secret lives under ``state_home`` (via $XDG_STATE_HOME)."""
+    return {"XDG_STATE_HOME": str(state_home), "SHARDSERVER_SHARDS__COUNT": "2",
+            "SHARDSERVER_SERVER__FRONT_ENDS": "2", "SHARDSERVER_SHARDS__ARENA_BYTES": str(16 * 1024 * 1024),
+            "SHARDSERVER_SERVER__GRACEFUL_SHUTDOWN_S": "1", **extra}
+
+
+def _production_env(state_dir) -> dict[str, str]:
+    """configs/production.toml on loopback: embedded simulator, the key from the environment,
+    the state directory under the test's tmp_path; everything else as shipped."""
+    return {"SHARDSERVER_ENGINE__URL": "", "SHARDSERVER_AUTH__KEYS_FILE": "", "SHARDSERVER_API_KEYS": API_KEY,
+            "SHARDSERVER_SERVER__STATE_DIR": str(state_dir), "SHARDSERVER_SHARDS__COUNT": "2",
+            "SHARDSERVER_SERVER__FRONT_ENDS": "2", "SHARDSERVER_SHARDS__ARENA_BYTES": str(16 * 1024 * 1024),
+            "SHARDSERVER_SERVER__GRACEFUL_SHUTDOWN_S": "1"}
+
+
+def _check(resp, prompt: list[int], seed: int) -> None:
+    want = expected_sequences(engine_body(prompt, 1, 12, seed))
+    assert [list(s.tokens) for s in resp.sequences] == [w["tokens"] for w in want]
+    for seq, w in zip(resp.sequences, want):
+        assert np.array_equal(np.asarray(seq.logprobs, dtype=np.float32), w["logprobs"])
+
+
+@pytest.mark.sdk
+@pytest.mark.parametrize("config,sig", [("demo", signal.SIGTERM), ("demo", signal.SIGKILL),
+                                        ("production", signal.SIGTERM)])
+def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig):
+    """32 samples in flight through SDK 0.38; the gateway is stopped (SIGTERM) or killed (SIGKILL)
+    and started again on the same port (10 ms after the kill). Every sample completes with the
+    right tokens and no error reaches the caller: futures of the old run answer 410 and are
+    resubmitted, and the sampling session of the old run is still valid."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+    from tinker import types
+
+    port = _free_port()
+    cfg_path = REPO / "configs" / f"{config}.toml"
+    env = (_production_env(tmp_path / "state") if config == "production"
+           else _env(tmp_path, SHARDSERVER_SIMULATOR__LATENCY_S="0.2"))
+    env["SHARDSERVER_SIMULATOR__LATENCY_S"] = "0.2"
+    first = RunningServer(config=cfg_path, env=env, args=["--port", str(port)]).__enter__()
+    second = None
+    try:
+        sampler = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=API_KEY) \
+            .create_sampling_client(base_model=BASE_MODEL).result(60)
+        in_flight: dict[cf.Future, int] = {}
+        done: dict[int, object] = {}
+        errors: list[BaseException] = []
+        next_i = 0
+
+        def submit() -> None:
+            nonlocal next_i
+            prompt = [900, next_i]
+            fut = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+                                 sampling_params=types.SamplingParams(max_tokens=12, seed=next_i, temperature=1.0))
+            in_flight[fut] = next_i
+            next_i += 1
+
+        for _ in range(32):
+            submit()
+        restarted_at = None
+        deadline = time.monotonic() + 100
+        while in_flight and time.monotonic() < deadline:
+            ready, _ = cf.wait(list(in_flight), timeout=1.0, return_when=cf.FIRST_COMPLETED)
+            for fut in ready:
+                i = in_flight.pop(fut)
+                try:
+                    done[i] = fut.result()
+                except BaseException as exc:  # noqa: BLE001 - every error that reaches the user counts
+                    errors.append(exc)
+                # Keep 32 in flight until 64 samples completed after the restart.
+                if restarted_at is None or len(done) < restarted_at + 64:
+                    submit()
+            if restarted_at is None and len(done) >= 32:
+                restarted_at = len(done)
+                if sig == signal.SIGTERM:
+                    assert first.stop() == 0
+                else:
+                    os.kill(first.proc.pid, signal.SIGKILL)
+                    first.proc.wait(5)
+                    time.sleep(0.01)
+                second = RunningServer(config=cfg_path, env=env, args=["--port", str(port)]).__enter__()
+        assert not in_flight, f"{len(in_flight)} samples never finished"
+        assert errors == []
+        assert restarted_at is not None and len(done) >= restarted_at + 64
+        for i, resp in done.items():
+            _check(resp, [900, i], i)
+        # The new run served resubmissions of the old run's futures (410 first) and new samples.
+        m = http_json(f"http://127.0.0.1:{port}/metrics")[2].decode()
+        assert 'shardserver_http_requests_total{code="200",endpoint="asample"}' in m
+        assert 'code="404"' not in m
+        assert second.proc.poll() is None
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert not first.leftover_processes and not second.leftover_processes
+    assert any("signing IDs with the secret from" in line and "sessions survive restarts" in line
+               for line in second.log_lines)
+
+
+def test_old_runs_futures_answer_410_and_its_sessions_stay_valid(tmp_path):
+    """Futures that could not finish before the stop answer 410 after the restart (never 404),
+    and the old run's session and sampling session work in the new run: heartbeat, new samples."""
+    port = _free_port()
+    env = _env(tmp_path, SHARDSERVER_SIMULATOR__LATENCY_S="30", SHARDSERVER_SHARDS__COUNT="1",
+               SHARDSERVER_SERVER__FRONT_ENDS="1")
+    with RunningServer(env=env, args=["--port", str(port)]) as first:
+        api = Api(first.url)
+        st, _, b = api.post("/api/v1/create_session", {"tags": [], "user_metadata": {}})
+        session_id = json.loads(b)["session_id"]
+        st, _, b = api.post("/api/v1/create_sampling_session", {"session_id": session_id, "base_model": BASE_MODEL})
+        ssid = json.loads(b)["sampling_session_id"]
+        rids = [api.submit(ssid, [5, i], seq_id=i) for i in range(4)]
+    assert first.proc.returncode == 0
+    with RunningServer(env={**env, "SHARDSERVER_SIMULATOR__LATENCY_S": "0"}, args=["--port", str(port)]) as second:
+        api = Api(second.url)
+        for rid in rids:
+            st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
+            assert st == 410, b
+        st, _, b = api.post("/api/v1/session_heartbeat", {"session_id": session_id})
+        assert st == 200, b
+        rid = api.submit(ssid, [5, 0], seq_id=0)
+        assert rid[1:9] != rids[0][1:9]  # a future of the new run
+        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
+        assert st == 200, b
+        want = expected_sequences(engine_body([5, 0], 1, 4, 1))
+        assert [s["tokens"] for s in json.loads(b)["sequences"]] == [want[0]["tokens"]]
+    secret_file = tmp_path / "shardserver" / "id_secret"
+    assert oct(secret_file.stat().st_mode & 0o777) == "0o600"
+    assert oct(secret_file.parent.stat().st_mode & 0o777) == "0o700"
+    assert len(secret_file.read_text().strip()) == 64

@@ -1,0 +1,85 @@
+"""Checks the supervisor makes at start (issue 11): the ID signing secret (item 1), the file
+descriptor limit (item 6), shared-memory space (item 10) and the listen backlog (item 11)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardserver.errors import ConfigError
+from shardserver.ids import IdSigner, load_id_secret
+from shardserver.testing import REPO
+
+API_KEY = "tml-startup-check-key-0123456789"
+
+
+def _serve(config: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``shardserver serve`` that is expected to stop during its start."""
+    return subprocess.run([sys.executable, "-m", "shardserver.cli", "serve", "--config", str(REPO / "configs" / config),
+                           "--host", "127.0.0.1", "--port", "0"],
+                          capture_output=True, text=True, timeout=timeout, cwd=str(REPO), env={**os.environ, **env})
+
+
+# -- item 1: the ID signing secret --------------------------------------------------------------
+def test_id_secret_is_created_once_with_mode_600_and_read_back(tmp_path):
+    state = tmp_path / "state" / "shardserver"
+    first = load_id_secret("", str(state), require_persistent=False)
+    assert first.persistent and first.created and first.source == str(state / "id_secret")
+    assert oct((state / "id_secret").stat().st_mode & 0o777) == "0o600"
+    assert oct(state.stat().st_mode & 0o777) == "0o700"
+    assert first.secret == (state / "id_secret").read_bytes().strip() and len(first.secret) == 64
+    again = load_id_secret("", str(state), require_persistent=True)
+    assert again.secret == first.secret and not again.created and again.warnings == ()
+    assert os.listdir(state) == ["id_secret"]  # no temporary file left
+    # Same secret, new run: a session ID of the first run is valid in the second.
+    sid = IdSigner(first.secret, "0000aaaa").mint_session_id()
+    assert IdSigner(again.secret, "1111bbbb").check_session_id(sid)
+
+
+def test_id_secret_from_the_config_wins(tmp_path):
+    got = load_id_secret("hunter2-but-longer", str(tmp_path), require_persistent=True)
+    assert got.secret == b"hunter2-but-longer" and got.source == "server.id_secret" and got.persistent
+    assert os.listdir(tmp_path) == []
+
+
+def test_unusable_state_dir_warns_by_default_and_is_an_error_when_required(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    state = str(blocker / "shardserver")  # a directory under a regular file: ENOTDIR
+    got = load_id_secret("", state, require_persistent=False)
+    assert not got.persistent and got.source == "random" and len(got.secret) == 32
+    assert len(got.warnings) == 1 and "will not survive a restart" in got.warnings[0]
+    assert f"cannot read or create the ID signing secret {state}/id_secret: Not a directory" in got.warnings[0]
+    with pytest.raises(ConfigError) as exc:
+        load_id_secret("", state, require_persistent=True)
+    assert exc.value.key == "server.state_dir"
+    assert "server.require_persistent_secret = true" in exc.value.reason
+
+
+def test_short_or_group_readable_secret_file(tmp_path):
+    (tmp_path / "id_secret").write_text("short\n")
+    with pytest.raises(ConfigError) as exc:
+        load_id_secret("", str(tmp_path), require_persistent=False)
+    assert "holds 5 characters; it needs at least 16" in exc.value.reason
+    (tmp_path / "id_secret").write_text("0123456789abcdef0123\n")
+    os.chmod(tmp_path / "id_secret", 0o644)
+    got = load_id_secret("", str(tmp_path), require_persistent=True)
+    assert got.secret == b"0123456789abcdef0123" and got.persistent
+    assert got.warnings == (f"the ID signing secret {tmp_path}/id_secret is readable by group or others "
+                            "(mode 644): chmod 600 it",)
+
+
+def test_production_config_without_a_usable_secret_does_not_start(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    proc = _serve("production.toml", {"SHARDSERVER_ENGINE__URL": "", "SHARDSERVER_AUTH__KEYS_FILE": "",
+                                      "SHARDSERVER_API_KEYS": API_KEY,
+                                      "SHARDSERVER_SERVER__STATE_DIR": str(blocker / "state")})
+    assert proc.returncode == 2, proc.stderr
+    assert ("shardserver: invalid configuration: config key 'server.state_dir': cannot read or create the ID "
+            f"signing secret {blocker}/state/id_secret: Not a directory (server.require_persistent_secret = true"
+            in proc.stderr)
+    assert "Traceback" not in proc.stderr
