@@ -9,12 +9,16 @@ Used by the supervisor (``shardserver serve``), the encoders and front-ends
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
+import signal
 import sys
 from typing import Callable
 
-__all__ = ["set_process_title", "configure_logging", "watch_parent"]
+__all__ = ["set_process_title", "configure_logging", "watch_parent", "die_with_parent"]
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 log = logging.getLogger("shardserver")
 
@@ -46,6 +50,36 @@ def configure_logging(level: str) -> None:
     root.addHandler(h)
     root.setLevel(level.upper())
     logging.getLogger("shardserver").setLevel(level.upper())
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send ``sig`` to this process as soon as its parent (the supervisor) exits,
+    even by SIGKILL: ``prctl(PR_SET_PDEATHSIG, sig)`` on Linux, through ctypes.
+
+    Call it first thing in a spawned child. The parent may have died before the call (then no
+    signal would ever come), so this checks ``getppid()`` afterwards and sends ``sig`` to itself
+    at once if the parent is already gone. The signal fires when the *thread* that started the
+    child exits: the supervisor starts every child from its main thread. :func:`watch_parent`
+    stays as the fallback where ``prctl`` is missing.
+
+    Args:
+        parent_pid: the supervisor's pid, as the supervisor saw it (``os.getpid()``).
+        sig: the signal to receive: SIGTERM runs the child's own shutdown; SIGKILL for children
+            that have nothing to clean up.
+
+    Returns:
+        True if the kernel will send the signal; False where ``prctl`` is unavailable (not Linux).
+    """
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        except (OSError, AttributeError):  # pragma: no cover - no libc prctl
+            armed = False
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+    return armed
 
 
 async def watch_parent(parent_pid: int, on_gone: Callable[[], object], *, who: str, interval_s: float = 0.5,

@@ -483,8 +483,10 @@ class EncoderProc:
     @staticmethod
     def run(cfg: Config, shard: int, arena_name: str, sock_path: str, engine_url: str,
             secret: bytes, run_id: str, ready_conn, parent_pid: int) -> None:
+        from ..process import die_with_parent
         from ._subprocess import child_setup
 
+        die_with_parent(parent_pid, signal.SIGTERM)  # SIGTERM: the shutdown below unlinks the arena
         child_setup(f"encoder {shard}", cfg)
         try:
             import uvloop

@@ -54,9 +54,11 @@ class FrontendProc:
     @staticmethod
     def run(cfg: Config, index: int, sock, socket_paths: list[str], secret: bytes, run_id: str,
             parent_pid: int, ready_conn=None, auth: KeyTable | None = None) -> None:
-        from ..process import watch_parent
+        from ..process import die_with_parent, watch_parent
         from ._subprocess import child_setup
 
+        # SIGTERM: uvicorn's shutdown closes the listening socket first, then finishes its responses.
+        die_with_parent(parent_pid, signal.SIGTERM)
         child_setup(f"front-end {index}", cfg)
         ctx = FrontendContext(cfg=cfg, index=index, signer=IdSigner(secret, run_id, cfg.server.host_id),
                               socket_paths=socket_paths, ready_conn=ready_conn, auth=auth or KeyTable.open())

@@ -8,12 +8,17 @@
 1. remove segments and run directories left by dead runs; create this run's
    directory and its ``metrics/`` folder (``PROMETHEUS_MULTIPROC_DIR`` of
    every child, see :mod:`shardserver.metrics`);
-2. bind the one listening socket (``server.backlog``);
+2. bind the one listening socket (``server.backlog``; an address in use is retried for
+   ``BIND_RETRY_S``);
 3. start the engine simulator when ``engine.url`` is empty;
 4. create one arena per shard and start S encoders; wait for each READY
    (``shards.ready_timeout_s``), failing fast with the exit code of a child
    that died during start;
 5. start F front-ends on the shared socket;
+   Every child asks the kernel for a signal when the supervisor dies (``PR_SET_PDEATHSIG``,
+   see :func:`shardserver.process.die_with_parent`): SIGTERM for encoders (they unlink their arenas)
+   and front-ends (they close the listening socket first), SIGKILL for the simulator; so a
+   SIGKILLed supervisor leaves no child and frees its port at once;
 6. watch the children's sentinels: a dead encoder gets a fresh arena and is
    restarted (its futures are lost and answer 410); a dead front-end is
    restarted;
@@ -26,6 +31,7 @@ Signal handlers only record the signal; the main loop does the work.
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -54,6 +60,8 @@ RUN_DIR_PREFIX = "shardserver-run-"
 # A child that dies within this many seconds of its start counts as crash-looping: its next
 # restarts wait 0.5, 1, 2 ... 30 s.
 CRASH_LOOP_WINDOW_S = 10.0
+# An address in use is retried this long at start (children of a crashed run closing it).
+BIND_RETRY_S = 1.0
 
 
 class StartupError(RuntimeError):
@@ -121,6 +129,10 @@ def shutdown_procs(procs: list[Any], timeout: float) -> None:
 def _run_engine_sim(sim_cfg: dict[str, Any], **kwargs: Any) -> None:
     """Spawn target of the embedded simulator: :func:`shardserver.engine_sim.run_process`,
     imported in the child only (numpy and aiohttp cost the supervisor ~0.3 s otherwise)."""
+    from ..process import die_with_parent
+
+    # SIGKILL: nothing to clean up, and its aiohttp shutdown would wait for requests in flight.
+    die_with_parent(kwargs["parent_pid"], signal.SIGKILL)
     from ..engine_sim import run_process
 
     run_process(sim_cfg, **kwargs)
@@ -249,6 +261,28 @@ class Supervisor:
                                    f"{self.cfg.shards.ready_timeout_s} s (shards.ready_timeout_s)")
             time.sleep(0.05)
 
+    def _bind_listener(self) -> socket.socket:
+        """Bind ``server.host:server.port``. The address may still be held for a moment by the
+        front-ends of a run that just crashed (they get SIGTERM from the kernel when their
+        supervisor dies, and close the socket first): EADDRINUSE is retried for
+        BIND_RETRY_S seconds before it is a StartupError."""
+        cfg = self.cfg.server
+        deadline = time.monotonic() + BIND_RETRY_S
+        logged = False
+        while True:
+            try:
+                return _bind(cfg.host, cfg.port, cfg.backlog)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE and cfg.port != 0 and time.monotonic() < deadline:
+                    if not logged:
+                        log.info("%s:%d is in use; retrying for up to %.1f s (the children of a run that just "
+                                 "ended may still be closing it)", cfg.host, cfg.port, BIND_RETRY_S)
+                        logged = True
+                    time.sleep(0.02)
+                    continue
+                raise StartupError(f"cannot listen on {cfg.host}:{cfg.port} "
+                                   f"(server.host / server.port): {exc.strerror or exc}") from None
+
     def _wait_ready(self, spec: ChildSpec, conn: mpc.Connection) -> None:
         deadline = time.monotonic() + self.cfg.shards.ready_timeout_s
         try:
@@ -283,11 +317,7 @@ class Supervisor:
             _remove_stale_run_dirs()
             self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{self.pid}-")
             prepare_prometheus_dir(self.run_dir)  # before any child is spawned: they inherit it
-            try:
-                self.sock = _bind(cfg.server.host, cfg.server.port, cfg.server.backlog)
-            except OSError as exc:
-                raise StartupError(f"cannot listen on {cfg.server.host}:{cfg.server.port} "
-                                   f"(server.host / server.port): {exc.strerror or exc}") from None
+            self.sock = self._bind_listener()
             host, port = self.sock.getsockname()[:2]
             self.address = (host, port)
             if cfg.uses_simulator:

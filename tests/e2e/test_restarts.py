@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import numpy as np
@@ -41,6 +42,20 @@ def _production_env(state_dir) -> dict[str, str]:
             "SHARDSERVER_SERVER__STATE_DIR": str(state_dir), "SHARDSERVER_SHARDS__COUNT": "2",
             "SHARDSERVER_SERVER__FRONT_ENDS": "2", "SHARDSERVER_SHARDS__ARENA_BYTES": str(16 * 1024 * 1024),
             "SHARDSERVER_SERVER__GRACEFUL_SHUTDOWN_S": "1"}
+
+
+def _children(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of the process group ``pgid``, its leader excluded."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != pgid:
+            try:
+                fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d))
+    return out
 
 
 def _check(resp, prompt: list[int], seed: int) -> None:
@@ -159,3 +174,70 @@ def test_old_runs_futures_answer_410_and_its_sessions_stay_valid(tmp_path):
     assert oct(secret_file.stat().st_mode & 0o777) == "0o600"
     assert oct(secret_file.parent.stat().st_mode & 0o777) == "0o700"
     assert len(secret_file.read_text().strip()) == 64
+
+
+def test_new_server_starts_10ms_after_a_supervisor_sigkill(tmp_path):
+    """SIGKILL the supervisor while a long poll is held and engine requests are in flight, start
+    a new server on the same port 10 ms later: it starts, and every child of the killed run is
+    gone within about a second (the kernel's parent-death signal, not a polling loop)."""
+    port = _free_port()
+    env = _env(tmp_path, SHARDSERVER_SIMULATOR__LATENCY_S="30")
+    first = RunningServer(env=env, args=["--port", str(port)]).__enter__()
+    second = None
+    try:
+        api = Api(first.url)
+        ssid = api.sampling_session()
+        rids = [api.submit(ssid, [6, i], seq_id=i) for i in range(4)]
+        polls: list[int] = []
+
+        def poll(rid: str) -> None:
+            try:
+                polls.append(api.post("/api/v1/retrieve_future", {"request_id": rid}, timeout=20)[0])
+            except OSError:
+                polls.append(0)
+
+        threads = [threading.Thread(target=poll, args=(r,), daemon=True) for r in rids]
+        for t in threads:
+            t.start()
+        pid = first.proc.pid
+        old = _children(pid)  # 2 encoders, 2 front-ends, the simulator, multiprocessing's resource tracker
+        titles = sorted(open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")[0].decode().strip() for p in old)
+        assert titles.count("shardserver: encoder 0") == titles.count("shardserver: front-end 1") == 1, titles
+        assert len(old) == 6, titles
+        time.sleep(0.5)  # the polls are held
+        gone_at: dict[int, float] = {}
+        stop_watch = threading.Event()
+
+        def watch() -> None:
+            while not stop_watch.is_set() and len(gone_at) < len(old):
+                alive = set(_children(pid))
+                now = time.monotonic()
+                for p in old:
+                    if p not in alive and p not in gone_at:
+                        gone_at[p] = now
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        watcher.start()
+        first.proc.wait(5)
+        time.sleep(0.01)
+        second = RunningServer(env=env, args=["--port", str(port)]).__enter__()
+        watcher.join(10)
+        stop_watch.set()
+        assert sorted(gone_at) == sorted(old), f"children of the killed run still alive: {_children(pid)}"
+        last = max(gone_at.values()) - t0
+        assert last < 1.5, f"the last child of the killed run exited {last:.2f} s after the kill"
+        assert second.proc.poll() is None and http_json(second.url + "/healthz")[0] == 200
+        for t in threads:
+            t.join(20)
+        # Held polls were answered 408 try_again by the draining front-ends (or cut by the kill):
+        # never a 5xx.
+        assert all(st in (408, 0) for st in polls), polls
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert not second.leftover_processes
+    assert not any("Address already in use" in line for line in second.log_lines)
