@@ -22,7 +22,7 @@
 6. watch the children's sentinels: a dead encoder gets a fresh arena and is
    restarted (its futures are lost and answer 410); a dead front-end is
    restarted;
-7. on SIGTERM/SIGINT: stop the front-ends (graceful, bounded by
+7. on SIGTERM/SIGINT: close the listening socket, stop the front-ends (graceful, bounded by
    ``server.graceful_shutdown_s``), then the encoders and the simulator,
    kill what is left, unlink every segment, remove the run directory.
 
@@ -411,6 +411,13 @@ class Supervisor:
         if self._stopping:
             return
         self._stopping = True
+        # Stop accepting before anything else. The front-ends close their copies of the
+        # listening socket as soon as they get SIGTERM; once this copy is closed too, the kernel
+        # refuses new connections (the SDK retries them) instead of queueing them for nobody
+        # and resetting them when the last copy goes.
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
         log.info("[shutdown] supervisor: stopping front-ends")
         grace = self.cfg.server.graceful_shutdown_s + 2.0
         shutdown_procs([f.proc for f in self.front_ends if f.proc is not None], grace)

@@ -241,3 +241,27 @@ def test_new_server_starts_10ms_after_a_supervisor_sigkill(tmp_path):
             second.stop()
     assert not second.leftover_processes
     assert not any("Address already in use" in line for line in second.log_lines)
+
+
+def test_sigterm_refuses_new_connections_once_the_front_ends_stopped(tmp_path):
+    """While the supervisor stops its encoders and the simulator (a request is still in flight
+    there), a new connection is refused: the listening socket was closed before anything
+    else, so the kernel no longer queues connections that nobody would accept (and then reset)."""
+    env = _env(tmp_path, SHARDSERVER_SIMULATOR__LATENCY_S="30", SHARDSERVER_SHARDS__COUNT="1",
+               SHARDSERVER_SERVER__FRONT_ENDS="1")
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        api.submit(api.sampling_session(), [7, 7])  # keeps the simulator busy: its stop takes a while
+        pid = s.proc.pid
+        front_end = [p for p in _children(pid)
+                     if open(f"/proc/{p}/cmdline", "rb").read().startswith(b"shardserver: front-end")]
+        assert len(front_end) == 1
+        s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and front_end[0] in _children(pid):
+            time.sleep(0.01)
+        assert front_end[0] not in _children(pid)
+        assert s.proc.poll() is None  # still stopping the encoder and the simulator
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", s.port), timeout=5).close()
+        assert s.proc.wait(15) == 0
