@@ -5,7 +5,8 @@
 0. read the API keys (``auth``), failing with a ConfigError if ``mode = "keys"`` finds none;
    read (or create once) the ID signing secret (:func:`shardserver.ids.load_id_secret`), so
    that sessions survive restarts;
-1. remove segments and run directories left by dead runs; create this run's
+1. raise the soft RLIMIT_NOFILE to the hard limit (:func:`raise_nofile_limit`; logged);
+   remove segments and run directories left by dead runs; create this run's
    directory and its ``metrics/`` folder (``PROMETHEUS_MULTIPROC_DIR`` of
    every child, see :mod:`shardserver.metrics`);
 2. bind the one listening socket (``server.backlog``; an address in use is retried for
@@ -36,6 +37,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -93,6 +95,32 @@ def _bind(host: str, port: int, backlog: int) -> socket.socket:
     sock.listen(backlog)
     sock.set_inheritable(True)
     return sock
+
+
+def raise_nofile_limit() -> tuple[int, int, int, str]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` (open file descriptors: one per client
+    connection in a front-end) to its hard limit; the children started afterwards inherit it.
+    A hard limit of ``RLIM_INFINITY`` is taken as ``/proc/sys/fs/nr_open``, the most the kernel
+    allows.
+
+    Returns:
+        (soft limit before, soft limit now, hard limit, error text or ``""``); never raises.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft >= target:
+        return soft, soft, hard, ""
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        return soft, soft, hard, str(exc)
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard, ""
 
 
 def _remove_stale_run_dirs() -> None:
@@ -179,6 +207,17 @@ class Supervisor:
             how = "created now" if sec.created else "read"
             where = sec.source if sec.source == "server.id_secret" else f"{sec.source} ({how})"
             log.info("signing IDs with the secret from %s: sessions survive restarts", where)
+
+    def _raise_nofile_limit(self) -> None:
+        before, now, hard, err = raise_nofile_limit()
+        hard_s = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        if err:
+            log.warning("RLIMIT_NOFILE (open files): could not raise the soft limit %d to the hard limit %s: %s",
+                        before, hard_s, err)
+        elif now != before:
+            log.info("RLIMIT_NOFILE (open files): soft limit raised from %d to %d (hard limit %s)", before, now, hard_s)
+        else:
+            log.info("RLIMIT_NOFILE (open files): soft limit %d (hard limit %s)", now, hard_s)
 
     # -- signals -------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -311,6 +350,7 @@ class Supervisor:
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._log_id_secret()
+            self._raise_nofile_limit()
             removed = remove_stale_segments()
             if removed:
                 log.info("removed %d shared-memory segments of dead runs", len(removed))

@@ -83,3 +83,45 @@ def test_production_config_without_a_usable_secret_does_not_start(tmp_path):
             f"signing secret {blocker}/state/id_secret: Not a directory (server.require_persistent_secret = true"
             in proc.stderr)
     assert "Traceback" not in proc.stderr
+
+
+# -- item 6: open file limit ---------------------------------------------------------------------
+def _soft_nofile(pid: int) -> tuple[int, int]:
+    for line in open(f"/proc/{pid}/limits"):
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no 'Max open files' line")
+
+
+def test_supervisor_raises_the_soft_open_file_limit_to_the_hard_limit():
+    """Started with `ulimit -n 512`, the supervisor and every child run with soft = hard limit,
+    and one log line gives both numbers."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard <= 512:
+        pytest.skip(f"needs a finite hard RLIMIT_NOFILE above 512 (have {hard})")
+    from shardserver.testing import RunningServer
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))  # inherited by the server started now
+    try:
+        s = RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+                               "SHARDSERVER_SHARDS__ARENA_BYTES": str(8 * 1024 * 1024)}).__enter__()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit() and _pgid(int(d)) == s.proc.pid]
+        assert len(pids) >= 5  # supervisor, encoder, front-end, simulator, resource tracker
+        assert {_soft_nofile(p) for p in pids} == {(hard, hard)}
+    finally:
+        s.stop()
+    assert f"RLIMIT_NOFILE (open files): soft limit raised from 512 to {hard} (hard limit {hard})" in \
+        "\n".join(s.log_lines)
+
+
+def _pgid(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[2])
+    except OSError:
+        return -1
