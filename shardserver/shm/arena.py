@@ -60,6 +60,8 @@ __all__ = [
     "segment_name",
     "remove_stale_segments",
     "pid_alive",
+    "shm_free_bytes",
+    "check_shm_space",
     "ArenaWriter",
     "ArenaReader",
 ]
@@ -97,6 +99,48 @@ def create_segment(name: str, size: int) -> None:
         os.unlink(path)
         raise
     os.close(fd)
+
+
+def shm_free_bytes(shm_dir: str = SHM_DIR) -> tuple[int, int]:
+    """(bytes free for an unprivileged writer, total bytes) of the filesystem holding ``shm_dir``
+    (``os.statvfs``: ``f_bavail`` and ``f_blocks`` times ``f_frsize``).
+
+    Raises:
+        OSError: ``shm_dir`` does not exist or cannot be examined.
+    """
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def check_shm_space(count: int, arena_bytes: int, shm_dir: str = SHM_DIR) -> tuple[int, int, int]:
+    """Check that ``count`` arenas of ``arena_bytes`` fit in the free space of ``shm_dir``.
+
+    Segments are created sparse (``ftruncate``): a tmpfs that is too small is only noticed when
+    an encoder writes a result into a page that cannot be allocated, and the kernel kills it with
+    SIGBUS. So the supervisor checks before it creates anything.
+
+    Returns:
+        (bytes needed, bytes free, filesystem size): needed = count * (arena_bytes + 64-byte superblock).
+
+    Raises:
+        ConfigError: (key ``shards.arena_bytes``) needed > free; the message gives the numbers
+            and the fix.
+        OSError: ``shm_dir`` cannot be examined.
+    """
+    from ..errors import ConfigError
+
+    needed = count * (SUPERBLOCK + arena_bytes)
+    free, size = shm_free_bytes(shm_dir)
+    if needed > free:
+        mib = 1024 * 1024
+        raise ConfigError("shards.arena_bytes", (
+            f"the arenas need shards.count x shards.arena_bytes = {count} x {arena_bytes} = {needed} bytes "
+            f"({needed / mib:.0f} MiB) of shared memory, but {shm_dir} has only {free} bytes ({free / mib:.0f} MiB) "
+            f"free of {size} ({size / mib:.0f} MiB); results written beyond that would kill the encoders "
+            f"(SIGBUS). Lower shards.arena_bytes or shards.count, or enlarge {shm_dir} (docker run "
+            f"--shm-size=..., Kubernetes: an emptyDir with medium: Memory mounted there, or "
+            f"mount -o remount,size=... {shm_dir})"))
+    return needed, free, size
 
 
 def unlink_segment(name: str) -> bool:

@@ -6,8 +6,9 @@
    read (or create once) the ID signing secret (:func:`shardserver.ids.load_id_secret`), so
    that sessions survive restarts;
 1. raise the soft RLIMIT_NOFILE to the hard limit (:func:`raise_nofile_limit`; logged);
-   remove segments and run directories left by dead runs; create this run's
-   directory and its ``metrics/`` folder (``PROMETHEUS_MULTIPROC_DIR`` of
+   remove segments and run directories left by dead runs; check that the arenas fit in the
+   free space of ``/dev/shm`` (a ConfigError naming ``shards.arena_bytes`` otherwise);
+   create this run's directory and its ``metrics/`` folder (``PROMETHEUS_MULTIPROC_DIR`` of
    every child, see :mod:`shardserver.metrics`);
 2. bind the one listening socket (``server.backlog``; an address in use is retried for
    ``BIND_RETRY_S``);
@@ -52,7 +53,8 @@ from ..api.auth import load_key_table
 from ..config import Config, mask_url
 from ..ids import load_id_secret
 from ..prometheus_dir import mark_process_dead, prepare_prometheus_dir
-from ..shm.arena import create_segment, pid_alive, remove_stale_segments, segment_name, unlink_segment
+from ..shm.arena import (SHM_DIR, check_shm_space, create_segment, pid_alive, remove_stale_segments, segment_name,
+                         unlink_segment)
 
 __all__ = ["Supervisor", "ChildSpec", "StartupError"]
 
@@ -354,6 +356,12 @@ class Supervisor:
             removed = remove_stale_segments()
             if removed:
                 log.info("removed %d shared-memory segments of dead runs", len(removed))
+            # ConfigError (exit 2) naming shards.arena_bytes when the arenas cannot fit.
+            try:
+                needed, free, _ = check_shm_space(cfg.shards.count, cfg.shards.arena_bytes)
+                log.info("shared memory: the arenas need %d bytes, %s has %d bytes free", needed, SHM_DIR, free)
+            except OSError as exc:
+                log.warning("cannot check the free space of %s: %s", SHM_DIR, exc)
             _remove_stale_run_dirs()
             self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{self.pid}-")
             prepare_prometheus_dir(self.run_dir)  # before any child is spawned: they inherit it

@@ -4,6 +4,7 @@ descriptor limit (item 6), shared-memory space (item 10) and the listen backlog 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -11,16 +12,30 @@ import pytest
 
 from shardserver.errors import ConfigError
 from shardserver.ids import IdSigner, load_id_secret
-from shardserver.testing import REPO
+from shardserver.shm.arena import unlink_segment
+from shardserver.testing import REPO, our_shm_segments
 
 API_KEY = "tml-startup-check-key-0123456789"
 
 
-def _serve(config: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``shardserver serve`` that is expected to stop during its start."""
-    return subprocess.run([sys.executable, "-m", "shardserver.cli", "serve", "--config", str(REPO / "configs" / config),
-                           "--host", "127.0.0.1", "--port", "0"],
-                          capture_output=True, text=True, timeout=timeout, cwd=str(REPO), env={**os.environ, **env})
+def _serve(config: str, env: dict[str, str], timeout: float = 30) -> tuple[int, int | None, str]:
+    """``shardserver serve`` that is expected to stop during its start: (pid, exit code, stderr).
+    A server that starts instead is killed (with its process group) after ``timeout`` s and gives
+    exit code None."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardserver.cli", "serve", "--config",
+                             str(REPO / "configs" / config), "--host", "127.0.0.1", "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+                            env={**os.environ, **env}, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.pid, proc.returncode, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=10)
+        for name in our_shm_segments():
+            if name.startswith(f"shardserver-{proc.pid}-"):
+                unlink_segment(name)
+        return proc.pid, None, err
 
 
 # -- item 1: the ID signing secret --------------------------------------------------------------
@@ -75,14 +90,14 @@ def test_short_or_group_readable_secret_file(tmp_path):
 def test_production_config_without_a_usable_secret_does_not_start(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    proc = _serve("production.toml", {"SHARDSERVER_ENGINE__URL": "", "SHARDSERVER_AUTH__KEYS_FILE": "",
-                                      "SHARDSERVER_API_KEYS": API_KEY,
-                                      "SHARDSERVER_SERVER__STATE_DIR": str(blocker / "state")})
-    assert proc.returncode == 2, proc.stderr
+    _, code, err = _serve("production.toml", {"SHARDSERVER_ENGINE__URL": "", "SHARDSERVER_AUTH__KEYS_FILE": "",
+                                              "SHARDSERVER_API_KEYS": API_KEY,
+                                              "SHARDSERVER_SERVER__STATE_DIR": str(blocker / "state")})
+    assert code == 2, err
     assert ("shardserver: invalid configuration: config key 'server.state_dir': cannot read or create the ID "
             f"signing secret {blocker}/state/id_secret: Not a directory (server.require_persistent_secret = true"
-            in proc.stderr)
-    assert "Traceback" not in proc.stderr
+            in err)
+    assert "Traceback" not in err
 
 
 # -- item 6: open file limit ---------------------------------------------------------------------
@@ -125,3 +140,37 @@ def _pgid(pid: int) -> int:
         return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[2])
     except OSError:
         return -1
+
+
+# -- item 10: shared memory --------------------------------------------------------------------
+def test_check_shm_space_counts_every_arena(tmp_path):
+    from shardserver.shm.arena import SUPERBLOCK, check_shm_space, shm_free_bytes
+
+    free, size = shm_free_bytes(str(tmp_path))
+    st = os.statvfs(tmp_path)
+    assert (free, size) == (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+    arena = 1024 * 1024
+    assert check_shm_space(3, arena, str(tmp_path))[0] == 3 * (arena + SUPERBLOCK)
+    too_big = free // 2 + 1
+    with pytest.raises(ConfigError) as exc:
+        check_shm_space(2, too_big, str(tmp_path))
+    assert exc.value.key == "shards.arena_bytes"
+    assert f"shards.count x shards.arena_bytes = 2 x {too_big} = {2 * (too_big + SUPERBLOCK)} bytes" in exc.value.reason
+    assert f"but {tmp_path} has only " in exc.value.reason and f"free of {size} (" in exc.value.reason
+    assert "Lower shards.arena_bytes or shards.count, or enlarge" in exc.value.reason
+
+
+def test_arenas_larger_than_dev_shm_stop_the_start():
+    """Two arenas that together exceed the free space of /dev/shm: exit code 2 with the numbers
+    and the fix, before any segment or child is created (it used to start, then its encoders
+    died of SIGBUS when results filled the pages that did not exist)."""
+    st = os.statvfs("/dev/shm")
+    arena = st.f_bavail * st.f_frsize // 2 + 64 * 1024 * 1024
+    pid, code, err = _serve("demo.toml", {"SHARDSERVER_SHARDS__COUNT": "2",
+                                          "SHARDSERVER_SHARDS__ARENA_BYTES": str(arena)})
+    assert code == 2, err[-3000:]
+    assert (f"shardserver: invalid configuration: config key 'shards.arena_bytes': the arenas need "
+            f"shards.count x shards.arena_bytes = 2 x {arena} = {2 * (arena + 64)} bytes") in err
+    assert "but /dev/shm has only " in err and "enlarge /dev/shm" in err
+    assert "Traceback" not in err
+    assert "encoder 0" not in err and not [n for n in our_shm_segments() if n.startswith(f"shardserver-{pid}-")]
