@@ -10,8 +10,8 @@
    free space of ``/dev/shm`` (a ConfigError naming ``shards.arena_bytes`` otherwise);
    create this run's directory and its ``metrics/`` folder (``PROMETHEUS_MULTIPROC_DIR`` of
    every child, see :mod:`shardserver.metrics`);
-2. bind the one listening socket (``server.backlog``; an address in use is retried for
-   ``BIND_RETRY_S``);
+2. bind the one listening socket (``server.backlog``, with a warning when it is above
+   ``net.core.somaxconn``, which caps it; an address in use is retried for ``BIND_RETRY_S``);
 3. start the engine simulator when ``engine.url`` is empty;
 4. create one arena per shard and start S encoders; wait for each READY
    (``shards.ready_timeout_s``), failing fast with the exit code of a child
@@ -123,6 +123,16 @@ def raise_nofile_limit() -> tuple[int, int, int, str]:
     except (ValueError, OSError) as exc:
         return soft, soft, hard, str(exc)
     return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard, ""
+
+
+def somaxconn() -> int | None:
+    """``net.core.somaxconn`` of this network namespace: the kernel silently caps every
+    ``listen()`` backlog at it. None if it cannot be read."""
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _remove_stale_run_dirs() -> None:
@@ -365,6 +375,11 @@ class Supervisor:
             _remove_stale_run_dirs()
             self.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{self.pid}-")
             prepare_prometheus_dir(self.run_dir)  # before any child is spawned: they inherit it
+            cap = somaxconn()
+            if cap is not None and cfg.server.backlog > cap:
+                log.warning("server.backlog = %d is above net.core.somaxconn = %d: the kernel caps the listen "
+                            "backlog at %d (raise it with: sysctl -w net.core.somaxconn=%d)",
+                            cfg.server.backlog, cap, cap, cfg.server.backlog)
             self.sock = self._bind_listener()
             host, port = self.sock.getsockname()[:2]
             self.address = (host, port)

@@ -174,3 +174,19 @@ def test_arenas_larger_than_dev_shm_stop_the_start():
     assert "but /dev/shm has only " in err and "enlarge /dev/shm" in err
     assert "Traceback" not in err
     assert "encoder 0" not in err and not [n for n in our_shm_segments() if n.startswith(f"shardserver-{pid}-")]
+
+
+# -- item 11: listen backlog ---------------------------------------------------------------------
+def test_backlog_above_somaxconn_is_logged_with_both_numbers():
+    from shardserver.testing import RunningServer
+
+    cap = int(open("/proc/sys/net/core/somaxconn").read())
+    env = {"SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(8 * 1024 * 1024), "SHARDSERVER_SERVER__BACKLOG": str(cap + 1000)}
+    with RunningServer(env=env) as s:
+        pass
+    warned = [line for line in s.log_lines if "net.core.somaxconn" in line]
+    assert len(warned) == 1, s.log_lines
+    assert (f"WARNING shardserver.supervisor[{s.proc.pid}]: server.backlog = {cap + 1000} is above "
+            f"net.core.somaxconn = {cap}: the kernel caps the listen backlog at {cap} "
+            f"(raise it with: sysctl -w net.core.somaxconn={cap + 1000})") in warned[0]
