@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from shardserver.errors import ConfigError
-from shardserver.ids import IdSigner, load_id_secret
 from shardserver.shm.arena import unlink_segment
 from shardserver.testing import REPO, our_shm_segments
 
@@ -40,6 +39,8 @@ def _serve(config: str, env: dict[str, str], timeout: float = 30) -> tuple[int, 
 
 # -- item 1: the ID signing secret --------------------------------------------------------------
 def test_id_secret_is_created_once_with_mode_600_and_read_back(tmp_path):
+    from shardserver.ids import IdSigner, load_id_secret
+
     state = tmp_path / "state" / "shardserver"
     first = load_id_secret("", str(state), require_persistent=False)
     assert first.persistent and first.created and first.source == str(state / "id_secret")
@@ -55,12 +56,16 @@ def test_id_secret_is_created_once_with_mode_600_and_read_back(tmp_path):
 
 
 def test_id_secret_from_the_config_wins(tmp_path):
+    from shardserver.ids import load_id_secret
+
     got = load_id_secret("hunter2-but-longer", str(tmp_path), require_persistent=True)
     assert got.secret == b"hunter2-but-longer" and got.source == "server.id_secret" and got.persistent
     assert os.listdir(tmp_path) == []
 
 
 def test_unusable_state_dir_warns_by_default_and_is_an_error_when_required(tmp_path):
+    from shardserver.ids import load_id_secret
+
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     state = str(blocker / "shardserver")  # a directory under a regular file: ENOTDIR
@@ -75,6 +80,8 @@ def test_unusable_state_dir_warns_by_default_and_is_an_error_when_required(tmp_p
 
 
 def test_short_or_group_readable_secret_file(tmp_path):
+    from shardserver.ids import load_id_secret
+
     (tmp_path / "id_secret").write_text("short\n")
     with pytest.raises(ConfigError) as exc:
         load_id_secret("", str(tmp_path), require_persistent=False)
