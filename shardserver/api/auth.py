@@ -15,7 +15,8 @@ see ``tinker_sdk_protocol.md`` §2). Two modes (``[auth] mode``):
   sampling-session and future ID minted for that request
   (:class:`shardserver.ids.IdSigner`), so another key presenting the ID is
   answered exactly like an unknown ID (404). The fingerprint depends only on
-  the key, so with ``server.id_secret`` set, IDs stay valid across restarts.
+  the key, so with the ID secret kept across restarts (``server.id_secret`` or the
+  ``id_secret`` file in ``server.state_dir``), IDs stay valid across restarts.
 
 Keys are read once, in the supervisor (:func:`load_key_table`), from the file
 ``auth.keys_file`` (one key per line, ``#`` comments, blank lines ignored)

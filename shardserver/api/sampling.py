@@ -138,7 +138,8 @@ async def asample(request: Request) -> JSONResponse:
         sess = ctx.signer.open_sampling_session_id(req.sampling_session_id, owner_of(request))
         if sess is None:
             raise _Refused(404, "unknown sampling_session_id (create_sampling_session first; "
-                                "sessions of an earlier server run are not kept unless server.id_secret is set)")
+                                "a session of an earlier server run is valid only under the same ID secret: "
+                                "server.id_secret or the id_secret file in server.state_dir)")
         _check_limits(cfg.engine, req.num_samples, len(tokens))
     except _Refused as exc:
         return error(exc.status, exc.message)
