@@ -32,7 +32,7 @@ import simdjson
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "codec"))
 
 from codec_fixtures import realistic_case  # noqa: E402
 
