@@ -1,7 +1,9 @@
 """vLLM completion body -> Tinker ``SampleResponse`` codec.
 
 * :class:`CompletionDecoder` parses a vLLM 0.30 ``/v1/completions`` body (pysimdjson,
-  straight into numpy) into a :class:`DecodedCompletion`.
+  straight into numpy) into a :class:`DecodedCompletion` (``decode``); choice 0's prompt
+  logprobs are read from the raw bytes (``prompt_scan``) or, for any other layout, through
+  ``as_list()`` (``prompt_logprobs``, which also ranks the top-k matrices for both).
 * :func:`encode_sample_response` writes it as ``tinker_public.SampleResponse`` protobuf
   wire bytes (hand-written framing, byte-identical to the generated module), into a
   new ``bytes`` or straight into a caller's buffer; :func:`sample_response_size` says

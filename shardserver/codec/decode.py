@@ -17,19 +17,21 @@ Performance: the body is parsed once with a reusable ``simdjson.Parser``.
 generated token. Prompt logprobs (``{id: {logprob, rank, decoded_token}}`` per
 prompt position) are read straight from the raw bytes with numpy when they have
 vLLM's exact compact layout (:mod:`shardserver.codec.prompt_scan`, choice 0 only);
-otherwise they are materialized with ``Array.as_list`` once and reduced with numpy.
+otherwise they are materialized with ``Array.as_list`` once and reduced with numpy
+(:mod:`shardserver.codec.prompt_logprobs`, which also builds the top-k matrices for
+both paths). This module validates the body, the choices and the prompt ids, and picks
+the path (``_decode_prompt_logprobs``).
 """
 
 from __future__ import annotations
 
-import gc
-import itertools
-import operator
 from dataclasses import dataclass
 
 import numpy as np
 import simdjson
 
+from shardserver.codec.json_types import INT32_MAX, NUMBER, is_int, type_name
+from shardserver.codec.prompt_logprobs import decode_prompt_rows, fill_own, fill_topk
 from shardserver.codec.prompt_scan import scan_prompt_logprobs
 from shardserver.errors import EngineBodyError
 
@@ -50,12 +52,8 @@ FINISH_REASONS = frozenset({"stop", "length", "abort", "repetition"})
 TOPK_MASK_TOKEN = 0
 TOPK_MASK_LOGPROB = -99999.0
 
-_INT32_MAX = 2**31 - 1
-_get_logprob = operator.itemgetter("logprob")
-_POW10 = 10 ** np.arange(10, dtype=np.int64)
 _Array = simdjson.Array
 _Object = simdjson.Object
-_NUMBER = (int, float)
 
 
 @dataclass(slots=True)
@@ -106,26 +104,6 @@ class DecodedCompletion:
     def aborted(self) -> bool:
         """True if any choice has ``finish_reason == "abort"`` (a partial sample vLLM still answers 200 for)."""
         return any(c.finish_reason == "abort" for c in self.choices)
-
-
-def _type_name(v: object) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, (int, float)):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, (_Array, list)):
-        return "array"
-    if isinstance(v, (_Object, dict)):
-        return "object"
-    return type(v).__name__
-
-
-def _is_int(v: object) -> bool:
-    return type(v) is int
 
 
 def _fail_not_json(body: bytes, exc: Exception) -> EngineBodyError:
@@ -242,69 +220,13 @@ class CompletionDecoder:
         want_plp: bool,
         k: int,
     ) -> DecodedCompletion:
-        if not body:
-            raise EngineBodyError("$", "empty body (HTTP 2xx with no JSON)")
-        try:
-            doc = self._parse(body)
-        except (ValueError, UnicodeDecodeError, RuntimeError) as e:
-            # RuntimeError: simdjson's DEPTH_ERROR (nesting beyond 1024) and BIGINT_ERROR
-            # (an integer beyond 64 bits, e.g. 2**70), which pysimdjson maps to RuntimeError.
-            raise _fail_not_json(body, e) from None
-
-        if not isinstance(doc, _Object):
-            raise EngineBodyError("$", f"top-level JSON value is {_type_name(doc)}, expected an object")
-        _check_error_envelope(doc)
-
-        choices = doc.get("choices")
-        if choices is None:
-            raise EngineBodyError("choices", "missing or null (not a completion body)")
-        if not isinstance(choices, _Array):
-            raise EngineBodyError("choices", f"expected an array, got {_type_name(choices)}")
-        m = len(choices)
-        if m == 0:
-            raise EngineBodyError("choices", "empty array")
-        if m != num_samples:
-            raise EngineBodyError("choices", f"{m} choices, expected num_samples={num_samples}")
-
-        slots: list[DecodedChoice | None] = [None] * m
-        choice0 = None
-        c0pos = 0
-        for pos in range(m):
-            c = choices[pos]
-            where = f"choices[{pos}]"
-            if not isinstance(c, _Object):
-                raise EngineBodyError(where, f"expected an object, got {_type_name(c)}")
-            dc = _decode_choice(c, where, m)
-            if slots[dc.index] is not None:
-                raise EngineBodyError(f"{where}.index", f"duplicate index {dc.index}")
-            slots[dc.index] = dc
-            if dc.index == 0:
-                choice0, c0pos = c, pos
-        # m distinct indexes in [0, m) means none is missing; keep the check explicit anyway.
-        missing = [i for i, s in enumerate(slots) if s is None]
-        if missing:
-            raise EngineBodyError("choices", f"missing index {missing[0]}")
-        decoded: list[DecodedChoice] = slots  # type: ignore[assignment]
+        """:meth:`decode` after the argument checks: parse, then each part of the body in turn."""
+        doc = self._parse_document(body)
+        choices = _choices_array(doc, num_samples)
+        decoded, choice0, c0pos = _decode_choices(choices)
         aborted = any(c.finish_reason == "abort" for c in decoded)
         where0 = f"choices[{c0pos}]"
-
-        # Prompt token ids: the body's copy (choice with index 0) or the caller's.
-        body_pids = _int_array(
-            choice0.get("prompt_token_ids"), f"{where0}.prompt_token_ids", allow_null=True
-        )
-        arg_pids = None
-        if prompt_ids_arg is not None:
-            arg_pids = np.asarray(prompt_ids_arg)
-            if arg_pids.ndim != 1:
-                raise ValueError("prompt_token_ids must be one-dimensional")
-        if body_pids is not None and arg_pids is not None:
-            if body_pids.shape != arg_pids.shape or not np.array_equal(body_pids, arg_pids):
-                raise EngineBodyError(
-                    f"{where0}.prompt_token_ids",
-                    f"differs from the prompt the gateway sent ({body_pids.size} ids in the body, "
-                    f"{arg_pids.size} sent)",
-                )
-        pids = body_pids if body_pids is not None else arg_pids
+        pids = _prompt_ids(choice0, where0, prompt_ids_arg)
 
         out = DecodedCompletion(choices=decoded)
         if want_plp or k > 0:
@@ -319,6 +241,94 @@ class CompletionDecoder:
         if usage is not None:
             out.prompt_cache_hit_tokens = _cached_tokens(usage)
         return out
+
+    def _parse_document(self, body: bytes):
+        """``body`` -> its top-level ``simdjson.Object``, after the error-envelope check.
+
+        Raises:
+            EngineBodyError: at ``$`` for an empty, non-JSON or non-object body; at the
+                envelope's key for an error body (:func:`_check_error_envelope`).
+        """
+        if not body:
+            raise EngineBodyError("$", "empty body (HTTP 2xx with no JSON)")
+        try:
+            doc = self._parse(body)
+        except (ValueError, UnicodeDecodeError, RuntimeError) as e:
+            # RuntimeError: simdjson's DEPTH_ERROR (nesting beyond 1024) and BIGINT_ERROR
+            # (an integer beyond 64 bits, e.g. 2**70), which pysimdjson maps to RuntimeError.
+            raise _fail_not_json(body, e) from None
+
+        if not isinstance(doc, _Object):
+            raise EngineBodyError("$", f"top-level JSON value is {type_name(doc)}, expected an object")
+        _check_error_envelope(doc)
+        return doc
+
+
+def _choices_array(doc, num_samples: int):
+    """``doc["choices"]`` (a ``simdjson.Array`` of exactly ``num_samples`` elements) or EngineBodyError."""
+    choices = doc.get("choices")
+    if choices is None:
+        raise EngineBodyError("choices", "missing or null (not a completion body)")
+    if not isinstance(choices, _Array):
+        raise EngineBodyError("choices", f"expected an array, got {type_name(choices)}")
+    m = len(choices)
+    if m == 0:
+        raise EngineBodyError("choices", "empty array")
+    if m != num_samples:
+        raise EngineBodyError("choices", f"{m} choices, expected num_samples={num_samples}")
+    return choices
+
+
+def _decode_choices(choices) -> tuple[list[DecodedChoice], object, int]:
+    """Decode every choice; returns them sorted by index, plus the index-0 choice's proxy and position.
+
+    Raises:
+        EngineBodyError: a choice that is not an object or fails :func:`_decode_choice`, a
+            duplicate or missing index.
+    """
+    m = len(choices)
+    slots: list[DecodedChoice | None] = [None] * m
+    choice0 = None
+    c0pos = 0
+    for pos in range(m):
+        c = choices[pos]
+        where = f"choices[{pos}]"
+        if not isinstance(c, _Object):
+            raise EngineBodyError(where, f"expected an object, got {type_name(c)}")
+        dc = _decode_choice(c, where, m)
+        if slots[dc.index] is not None:
+            raise EngineBodyError(f"{where}.index", f"duplicate index {dc.index}")
+        slots[dc.index] = dc
+        if dc.index == 0:
+            choice0, c0pos = c, pos
+    # m distinct indexes in [0, m) means none is missing; keep the check explicit anyway.
+    missing = [i for i, s in enumerate(slots) if s is None]
+    if missing:
+        raise EngineBodyError("choices", f"missing index {missing[0]}")
+    return slots, choice0, c0pos  # type: ignore[return-value]
+
+
+def _prompt_ids(choice0, where0: str, prompt_ids_arg: np.ndarray | None) -> np.ndarray | None:
+    """The prompt token ids: the body's copy (choice with index 0, int32) or else the caller's.
+
+    Raises:
+        EngineBodyError: the body's copy is mistyped, or differs from the caller's.
+        ValueError: the caller's array is not one-dimensional.
+    """
+    body_pids = _int_array(choice0.get("prompt_token_ids"), f"{where0}.prompt_token_ids", allow_null=True)
+    arg_pids = None
+    if prompt_ids_arg is not None:
+        arg_pids = np.asarray(prompt_ids_arg)
+        if arg_pids.ndim != 1:
+            raise ValueError("prompt_token_ids must be one-dimensional")
+    if body_pids is not None and arg_pids is not None:
+        if body_pids.shape != arg_pids.shape or not np.array_equal(body_pids, arg_pids):
+            raise EngineBodyError(
+                f"{where0}.prompt_token_ids",
+                f"differs from the prompt the gateway sent ({body_pids.size} ids in the body, "
+                f"{arg_pids.size} sent)",
+            )
+    return body_pids if body_pids is not None else arg_pids
 
 
 def _key_once(obj, key: str) -> bool:
@@ -350,16 +360,16 @@ def _check_error_envelope(doc) -> None:
 
 def _cached_tokens(usage) -> int:
     if not isinstance(usage, _Object):
-        raise EngineBodyError("usage", f"expected an object, got {_type_name(usage)}")
+        raise EngineBodyError("usage", f"expected an object, got {type_name(usage)}")
     details = usage.get("prompt_tokens_details")
     if details is None:
         return 0
     if not isinstance(details, _Object):
-        raise EngineBodyError("usage.prompt_tokens_details", f"expected an object, got {_type_name(details)}")
+        raise EngineBodyError("usage.prompt_tokens_details", f"expected an object, got {type_name(details)}")
     n = details.get("cached_tokens")
     if n is None:
         return 0
-    if not _is_int(n) or not 0 <= n <= _INT32_MAX:
+    if not is_int(n) or not 0 <= n <= INT32_MAX:
         raise EngineBodyError("usage.prompt_tokens_details.cached_tokens", f"expected an int in [0, 2^31), got {n!r}")
     return n
 
@@ -371,7 +381,7 @@ def _int_array(arr, where: str, *, allow_null: bool) -> np.ndarray | None:
             return None
         raise EngineBodyError(where, "missing or null")
     if not isinstance(arr, _Array):
-        raise EngineBodyError(where, f"expected an array of ints, got {_type_name(arr)}")
+        raise EngineBodyError(where, f"expected an array of ints, got {type_name(arr)}")
     n = len(arr)
     try:
         a = np.frombuffer(arr.as_buffer(of_type="i"), dtype=np.int64)
@@ -380,17 +390,17 @@ def _int_array(arr, where: str, *, allow_null: bool) -> np.ndarray | None:
         raise EngineBodyError(where, "expected an array of ints") from None  # pragma: no cover
     if a.size != n or _has_nested(arr, n):  # as_buffer flattens nested arrays
         raise EngineBodyError(where, "expected a flat array of ints, found nested arrays")
-    if n and (int(a.min()) < 0 or int(a.max()) > _INT32_MAX):
-        j = int(np.flatnonzero((a < 0) | (a > _INT32_MAX))[0])
+    if n and (int(a.min()) < 0 or int(a.max()) > INT32_MAX):
+        j = int(np.flatnonzero((a < 0) | (a > INT32_MAX))[0])
         raise EngineBodyError(f"{where}[{j}]", f"token id {int(a[j])} outside [0, 2^31)")
     return a.astype(np.int32)
 
 
 def _diagnose_int_array(items: list, where: str) -> None:
     for j, v in enumerate(items):
-        if not _is_int(v):
-            raise EngineBodyError(f"{where}[{j}]", f"expected an int token id, got {_type_name(v)} {v!r}")
-        if not 0 <= v <= _INT32_MAX:
+        if not is_int(v):
+            raise EngineBodyError(f"{where}[{j}]", f"expected an int token id, got {type_name(v)} {v!r}")
+        if not 0 <= v <= INT32_MAX:
             raise EngineBodyError(f"{where}[{j}]", f"token id {v} outside [0, 2^31)")
 
 
@@ -409,7 +419,7 @@ def _has_nested(arr, n: int) -> bool:
 def _float_array(arr, where: str) -> np.ndarray:
     """Sampled logprobs (a JSON array of numbers) -> float32 array, via one C copy."""
     if not isinstance(arr, _Array):
-        raise EngineBodyError(where, f"expected an array of numbers, got {_type_name(arr)}")
+        raise EngineBodyError(where, f"expected an array of numbers, got {type_name(arr)}")
     n = len(arr)
     try:
         a = np.frombuffer(arr.as_buffer(of_type="d"), dtype=np.float64)
@@ -421,8 +431,8 @@ def _float_array(arr, where: str) -> np.ndarray:
                     f"{where}[{j}]",
                     "null sampled logprob (only echo/prompt positions have null, and the gateway never uses echo)",
                 ) from None
-            if type(v) not in _NUMBER:
-                raise EngineBodyError(f"{where}[{j}]", f"expected a number, got {_type_name(v)} {v!r}") from None
+            if type(v) not in NUMBER:
+                raise EngineBodyError(f"{where}[{j}]", f"expected a number, got {type_name(v)} {v!r}") from None
         raise EngineBodyError(where, "expected a flat array of numbers") from None
     if a.size != n or _has_nested(arr, n):
         raise EngineBodyError(where, "expected a flat array of numbers, found nested arrays")
@@ -436,8 +446,8 @@ def _float_array(arr, where: str) -> np.ndarray:
 
 def _decode_choice(c, where: str, m: int) -> DecodedChoice:
     index = c.get("index")
-    if not _is_int(index):
-        raise EngineBodyError(f"{where}.index", f"expected an int, got {_type_name(index)}")
+    if not is_int(index):
+        raise EngineBodyError(f"{where}.index", f"expected an int, got {type_name(index)}")
     if not 0 <= index < m:
         raise EngineBodyError(f"{where}.index", f"index {index} outside [0, {m})")
 
@@ -445,15 +455,15 @@ def _decode_choice(c, where: str, m: int) -> DecodedChoice:
     if finish is None:
         raise EngineBodyError(f"{where}.finish_reason", "missing or null")
     if not isinstance(finish, str):
-        raise EngineBodyError(f"{where}.finish_reason", f"expected a string, got {_type_name(finish)}")
+        raise EngineBodyError(f"{where}.finish_reason", f"expected a string, got {type_name(finish)}")
     if finish not in FINISH_REASONS:
         raise EngineBodyError(
             f"{where}.finish_reason", f"unknown finish_reason {finish!r} (expected one of {sorted(FINISH_REASONS)})"
         )
     stop_reason = c.get("stop_reason")
-    if stop_reason is not None and not (_is_int(stop_reason) or isinstance(stop_reason, str)):
+    if stop_reason is not None and not (is_int(stop_reason) or isinstance(stop_reason, str)):
         raise EngineBodyError(
-            f"{where}.stop_reason", f"expected an int, a string or null, got {_type_name(stop_reason)}"
+            f"{where}.stop_reason", f"expected an int, a string or null, got {type_name(stop_reason)}"
         )
 
     tids = c.get("token_ids")
@@ -469,7 +479,7 @@ def _decode_choice(c, where: str, m: int) -> DecodedChoice:
     logprobs = None
     if lp is not None:
         if not isinstance(lp, _Object):
-            raise EngineBodyError(f"{where}.logprobs", f"expected an object or null, got {_type_name(lp)}")
+            raise EngineBodyError(f"{where}.logprobs", f"expected an object or null, got {type_name(lp)}")
         tl = lp.get("token_logprobs")
         if tl is None:
             raise EngineBodyError(f"{where}.logprobs.token_logprobs", "missing or null in a logprobs object")
@@ -501,9 +511,16 @@ def _decode_prompt_logprobs(
 ) -> None:
     """Fill ``out``'s prompt logprob arrays from choice 0's ``prompt_logprobs`` (``pl``).
 
-    ``body``: the raw body when choice 0 is ``choices[0]``; enables the byte-level fast
-    path (:mod:`shardserver.codec.prompt_scan`), which returns ``None`` for anything but
-    vLLM's exact compact layout, and then this generic path (the reference) runs.
+    Allocates the arrays (:class:`DecodedCompletion`: float32 ``(P,)``, int32 / float32
+    ``(P, k)``) and checks ``pl``'s length against the prompt's ``P`` tokens (shorter only
+    when ``aborted``). ``body``: the raw body when choice 0 is ``choices[0]``; enables the
+    byte-level fast path (:mod:`shardserver.codec.prompt_scan`), which returns ``None`` for
+    anything but vLLM's exact compact layout, and then the generic path
+    (:func:`shardserver.codec.prompt_logprobs.decode_prompt_rows`, the reference) runs.
+
+    Raises:
+        EngineBodyError: unknown prompt ids, ``pl`` null (unless aborted), not an array or
+            of the wrong length, or any malformed row (see ``decode_prompt_rows``).
     """
     where = f"{where0}.prompt_logprobs"
     if pids is None:
@@ -528,7 +545,7 @@ def _decode_prompt_logprobs(
             return
         raise EngineBodyError(where, "missing or null although prompt logprobs were requested")
     if not isinstance(pl, _Array):
-        raise EngineBodyError(where, f"expected an array, got {_type_name(pl)}")
+        raise EngineBodyError(where, f"expected an array, got {type_name(pl)}")
     L = len(pl)
     if L > P or (L < P and not aborted):
         raise EngineBodyError(where, f"{L} positions for a {P}-token prompt")
@@ -539,154 +556,8 @@ def _decode_prompt_logprobs(
         fast = scan_prompt_logprobs(body, pl, pids, L)
         if fast is not None:
             nn, own64, counts, ids64, lp64 = fast
-            _check_finite(own64, nn, where)
-            plp[nn] = own64
+            fill_own(plp, nn, own64, where)
             if k > 0:
-                _fill_topk(nn, counts, ids64, lp64, k, where, t_ids, t_lps)
+                fill_topk(t_ids, t_lps, nn, counts, ids64, lp64, k, where)
             return
-
-    # ~8 Python objects per entry (k=5: ~25k dicts for a 4k prompt); the cyclic GC would run
-    # dozens of collections over them, none of which can free anything, so pause it.
-    gc_on = gc.isenabled()
-    gc.disable()
-    try:
-        rows = pl.as_list()
-    finally:
-        if gc_on:
-            gc.enable()
-    keys = list(map(str, pids[:L].tolist()))
-    try:
-        nonnull = [i for i, r in enumerate(rows) if r is not None]
-        nrows = [rows[i] for i in nonnull]
-        own = [r[keys[i]] for r, i in zip(nrows, nonnull)]
-        own_lp = list(map(_get_logprob, own))
-        if not set(map(type, own_lp)) <= {float, int}:
-            raise TypeError
-    except (KeyError, TypeError, AttributeError):
-        _diagnose_prompt_rows(rows, keys, where)
-        raise EngineBodyError(where, "malformed prompt logprobs") from None  # pragma: no cover
-    if not nonnull:
-        return
-    nn = np.asarray(nonnull, dtype=np.intp)
-    own64 = np.asarray(own_lp, dtype=np.float64)
-    _check_finite(own64, nn, where)
-    plp[nn] = own64
-
-    if k == 0:
-        return
-    counts = np.fromiter(map(len, nrows), dtype=np.intp, count=len(nrows))
-    flat_keys = list(itertools.chain.from_iterable(nrows))
-    try:
-        flat_lp = list(map(_get_logprob, itertools.chain.from_iterable(map(dict.values, nrows))))
-        if not set(map(type, flat_lp)) <= {float, int}:
-            raise TypeError
-    except (KeyError, TypeError, AttributeError):
-        _diagnose_prompt_rows(rows, keys, where)
-        raise EngineBodyError(where, "malformed prompt logprobs") from None  # pragma: no cover
-    ids64 = _parse_decimal_keys(flat_keys)
-    if ids64 is None:
-        _diagnose_prompt_keys(rows, where)
-    if ids64.size and int(ids64.max()) > _INT32_MAX:
-        _diagnose_prompt_keys(rows, where)
-    lp64 = np.fromiter(flat_lp, dtype=np.float64, count=len(flat_lp))
-    _fill_topk(nn, counts, ids64, lp64, k, where, t_ids, t_lps)
-
-
-def _fill_topk(
-    nn: np.ndarray,
-    counts: np.ndarray,
-    ids64: np.ndarray,
-    lp64: np.ndarray,
-    k: int,
-    where: str,
-    t_ids: np.ndarray,
-    t_lps: np.ndarray,
-) -> None:
-    """Top-k matrices from the flat entries (document order) of the non-null rows ``nn``."""
-    row = np.repeat(nn, counts)
-    _check_finite(lp64, row, where)
-    starts = np.cumsum(counts) - counts
-    col = np.arange(lp64.size) - np.repeat(starts, counts)  # position of each entry in its row
-    rank = _rank_in_rows(lp64, col, counts, row, starts)
-    keep = rank < k
-    t_ids[row[keep], rank[keep]] = ids64[keep]
-    t_lps[row[keep], rank[keep]] = lp64[keep]
-
-
-def _parse_decimal_keys(keys: list[str]) -> np.ndarray | None:
-    """Token-id keys (decimal strings) -> int64, vectorized; None if any key is not 1-10 ASCII digits."""
-    if not keys:
-        return np.zeros(0, dtype=np.int64)
-    joined = "".join(keys)
-    if not (joined.isascii() and joined.isdigit()):  # one C pass over every key
-        return None
-    lens = np.fromiter(map(len, keys), dtype=np.intp, count=len(keys))
-    if int(lens.min()) == 0 or int(lens.max()) > 10:
-        return None
-    digits = np.frombuffer(joined.encode("ascii"), dtype=np.uint8).astype(np.int64) - 48
-    ends = np.cumsum(lens)
-    power = np.repeat(ends, lens) - np.arange(digits.size) - 1  # digit's place value exponent
-    return np.add.reduceat(digits * _POW10[power], ends - lens)
-
-
-def _rank_in_rows(lp: np.ndarray, col: np.ndarray, counts: np.ndarray, row: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Rank of each entry within its row when the row is sorted by logprob, descending, stable.
-
-    rank(i) = #{j in row: lp[j] > lp[i]} + #{j in row, j before i: lp[j] == lp[i]}. vLLM rows
-    are short (k or k+1 entries), so this is computed on a padded (rows, width) matrix with
-    pairwise comparisons; very wide rows fall back to two stable argsorts.
-    """
-    width = int(counts.max())
-    if width * width * counts.size > 8_000_000:
-        order = np.argsort(-lp, kind="stable")
-        order = order[np.argsort(row[order], kind="stable")]
-        rank = np.empty(lp.size, dtype=np.intp)
-        rank[order] = np.arange(lp.size) - np.repeat(starts, counts)
-        return rank
-    r = np.repeat(np.arange(counts.size), counts)
-    m = np.full((counts.size, width), -np.inf)
-    m[r, col] = lp  # padding stays -inf: never > or == a finite logprob
-    mj = m[:, None, :]  # [row, i, j] -> m[row, j]
-    mi = m[:, :, None]  # [row, i, j] -> m[row, i]
-    before = np.tri(width, width, -1, dtype=bool)  # [i, j] = j < i
-    return np.count_nonzero((mj > mi) | ((mj == mi) & before), axis=2)[r, col]
-
-
-def _check_finite(lp64: np.ndarray, rowidx: np.ndarray, where: str) -> None:
-    with np.errstate(over="ignore"):
-        f = lp64.astype(np.float32)
-    if not np.isfinite(f).all():
-        j = int(np.flatnonzero(~np.isfinite(f))[0])
-        raise EngineBodyError(
-            f"{where}[{int(rowidx[j])}]", f"non-finite logprob {float(lp64[j])!r} (beyond float32 range)"
-        )
-
-
-def _diagnose_prompt_rows(rows: list, keys: list[str], where: str) -> None:
-    for i, r in enumerate(rows):
-        if r is None:
-            continue
-        w = f"{where}[{i}]"
-        if not isinstance(r, dict):
-            raise EngineBodyError(w, f"expected an object or null, got {_type_name(r)}")
-        if keys[i] not in r:
-            raise EngineBodyError(w, f"no entry for the prompt token {keys[i]} at this position")
-        for key, e in r.items():
-            we = f'{w}["{key}"]'
-            if not isinstance(e, dict):
-                raise EngineBodyError(we, f"expected an object {{logprob, rank, decoded_token}}, got {_type_name(e)}")
-            if "logprob" not in e or e["logprob"] is None:
-                raise EngineBodyError(f"{we}.logprob", "missing or null")
-            if type(e["logprob"]) not in _NUMBER:
-                raise EngineBodyError(f"{we}.logprob", f"expected a number, got {_type_name(e['logprob'])}")
-
-
-def _diagnose_prompt_keys(rows: list, where: str) -> None:
-    for i, r in enumerate(rows):
-        if r is None:
-            continue
-        for key in r:
-            if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > _INT32_MAX:
-                raise EngineBodyError(f"{where}[{i}]", f"key {key!r} is not a token id (decimal int in [0, 2^31))")
-    raise EngineBodyError(where, "malformed token id keys")  # pragma: no cover
-
+    decode_prompt_rows(pl, pids, L, k, where, plp, t_ids, t_lps)

@@ -1,6 +1,6 @@
 """Byte-level fast path for choice 0's ``prompt_logprobs`` (no Python object per entry).
 
-The generic decoder (``decode._decode_prompt_logprobs``) materializes every
+The generic path (``prompt_logprobs.decode_prompt_rows``) materializes every
 ``{"<id>": {"logprob": f, "rank": r, "decoded_token": s}}`` entry with simdjson's
 ``as_list()``; at k=5 on a 4k prompt that is ~25k dicts and dominates the decode. This
 module reads the same values straight from the raw body bytes with numpy, *after*
