@@ -190,10 +190,41 @@ def structural_quotes(R: np.ndarray) -> np.ndarray:
 
 
 def _scan(body: bytes, pl, pids: np.ndarray, L: int):
+    """:func:`scan_prompt_logprobs` without the fallback accounting; raises on any deviation.
+
+    Each step below checks one part of the layout (module docstring) and falls back with its
+    own reason; the order of the steps is the order of the checks, so a body that breaks
+    several rules always reports the same reason.
+    """
     if not np.issubdtype(pids.dtype, np.integer):
         _fail("prompt ids are not an integer array")
     if L != pids.size:
         _fail("prompt_logprobs shorter than the prompt (aborted request)")
+    s, R = _array_bytes(body)
+    W, W4 = _word_views(body, s, R.size)
+    Q = _entry_quotes(R)
+    E = Q.shape[0]
+    c0, c1, c4, c6, c9 = Q[:, 0], Q[:, 1], Q[:, 4], Q[:, 6], Q[:, 9]
+    _check_fixed_pieces(W, W4, c1, c4, c6)
+    g3 = _entry_gaps(W, R, c0, c9)
+    pos, starts, counts = _positions(g3, E, L)
+
+    ids64 = _ids(W, c0 + 1, c1 - c0 - 1)
+    # The rank's value is not used (nor by the generic path), but the slot must hold 1-8 digits.
+    _digits_word(W, c4 + 7, c6 - 1 - (c4 + 7), "rank")
+    lp64 = _floats(W, W4, c1 + 13, c4 - (c1 + 13), E)
+
+    own = _own_mask(ids64, pids, pos, L)
+    _check_unique_ids(ids64, pos, starts, counts, E)
+    own64 = lp64[own]
+
+    _cross_check(pl, pids, L, starts, counts, ids64, lp64)
+    nn = np.arange(1, L, dtype=np.intp)
+    return nn, own64, counts.astype(np.intp), ids64, lp64
+
+
+def _array_bytes(body: bytes) -> tuple[int, np.ndarray]:
+    """Offset in ``body`` and bytes (uint8 view, no copy) of choice 0's array, from its ``[`` to its ``]``."""
     j = body.find(_START)
     if j <= 0 or body[j - 1] not in b",{":
         _fail("no prompt_logprobs key")
@@ -206,24 +237,38 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
     R = np.frombuffer(body, dtype=np.uint8, count=N, offset=s)
     if not np.array_equal(R[:8], _HEAD):
         _fail('array does not start with [null,{"')
-    # 8-byte little-endian words at every offset of the array (unaligned views, no copy). They
-    # may read up to 21 bytes past the array, into the ',"prompt_token_ids":[' checked above;
-    # those bytes are always masked off or compared as part of a longer pattern.
+    return s, R
+
+
+def _word_views(body: bytes, s: int, N: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unaligned little-endian uint64 views (no copy) of the ``N``-byte array at ``body[s:]``.
+
+    ``W[i]`` is the word at byte ``i`` of the array, shape ``(N + 14,)``; ``W4[i]`` the four
+    consecutive words at byte ``i`` (bytes ``i .. i+31``), shape ``(N - 10, 4)``. They may read
+    up to 21 bytes past the array, into the ``,"prompt_token_ids":[`` that ``_find_end`` found
+    there; those bytes are always masked off or compared as part of a longer pattern.
+    """
     X = N + len(_END) - 1
     W = np.ndarray((X - 7,), dtype="<u8", buffer=body, offset=s, strides=(1,))
-    # Rows of four consecutive words: row i = bytes i .. i+31.
     W4 = np.ndarray((X - 31, 4), dtype="<u8", buffer=body, offset=s, strides=(1, 8))
+    return W, W4
 
+
+def _entry_quotes(R: np.ndarray) -> np.ndarray:
+    """The structural quotes of ``R``, one row of 10 per entry (intp, shape ``(E, 10)``), placed as the layout says.
+
+    Quote offsets within an entry: key ``c0..c1``, ``"logprob"`` at ``c1+3..c1+11``, ``"rank"``
+    at ``c4..c4+5``, ``"decoded_token"`` at ``c6..c6+14``, the value string opens at ``c6+16``
+    and closes at ``c9``; the first key opens at byte 7 (after ``[null,{``), the last value
+    closes 3 bytes before the end (``}}]``).
+    """
+    N = R.size
     sq = structural_quotes(R)
     if sq.size % 10:
         _fail("structural quote count is not 10 per entry")
-    E = sq.size // 10
-    Q = sq.reshape(E, 10)
-    c0, c1, c4, c6, c9 = Q[:, 0], Q[:, 1], Q[:, 4], Q[:, 6], Q[:, 9]
-
-    # Quote offsets within an entry: key c0..c1, "logprob" at c1+3..c1+11, "rank" at
-    # c4..c4+5, "decoded_token" at c6..c6+14, the value string opens at c6+16 and closes at c9.
-    if c0[0] != 7:
+    Q = sq.reshape(sq.size // 10, 10)
+    c1, c4, c6 = Q[:, 1], Q[:, 4], Q[:, 6]
+    if Q[0, 0] != 7:
         _fail("first entry misplaced")
     if not (
         (Q[:, 2] - c1 == 3).all()
@@ -233,9 +278,13 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
         and (Q[:, 8] - c6 == 16).all()
     ):
         _fail("quotes not where the layout puts them")
-    if int(c9[-1]) + 3 != N - 1:
+    if int(Q[-1, 9]) + 3 != N - 1:
         _fail("array does not end right after the last entry")
-    # The fixed pieces, byte for byte (as 8-byte words; W4 rows are 4 consecutive words).
+    return Q
+
+
+def _check_fixed_pieces(W: np.ndarray, W4: np.ndarray, c1: np.ndarray, c4: np.ndarray, c6: np.ndarray) -> None:
+    """The fixed pieces between the quotes, byte for byte (as 8-byte words; W4 rows are 4 consecutive words)."""
     kt = W4[c1, :2]  # '":{"logprob":' + 3 bytes of the number
     dt = W4[c6 - 1, :3]  # ',"decoded_token":' + 7 bytes of the value
     if not (
@@ -247,9 +296,15 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
         and ((dt[:, 2] & np.uint64(0xFF)) == _DT16).all()
     ):
         _fail("unexpected keys or key order")
-    # After each value string: '}' closes the entry, then ',' + the next entry of the same
-    # position (gap 3), or '},{' + the first entry of the next position (gap 5); the last
-    # entry is followed by '}}]', the end of the array.
+
+
+def _entry_gaps(W: np.ndarray, R: np.ndarray, c0: np.ndarray, c9: np.ndarray) -> np.ndarray:
+    """The bytes between entries; returns, per entry after the first, whether it continues the same position (bool).
+
+    After each value string: ``}`` closes the entry, then ``,`` + the next entry of the same
+    position (gap 3), or ``},{`` + the first entry of the next position (gap 5); the last
+    entry is followed by ``}}]``, the end of the array.
+    """
     gap = c0[1:] - c9[:-1]
     g3 = gap == 3
     if not (g3 | (gap == 5)).all():
@@ -259,10 +314,17 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
     w4 = W[c9[:-1] + 1]
     if not ((w4 & np.where(g3, _MASK2, _MASK4)) == np.where(g3, _SEP3, _SEP5)).all():
         _fail("bad separator between entries")
-    if not np.array_equal(R[N - 3 :], _TAIL):
+    if not np.array_equal(R[R.size - 3 :], _TAIL):
         _fail("array does not end with }}]")
+    return g3
 
-    # Position of every entry: the first entry and every entry after a '},{' open a new one.
+
+def _positions(g3: np.ndarray, E: int, L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per entry its position ``1..L-1`` (intp, ``(E,)``); per position its first entry and entry count (``(L-1,)``).
+
+    The first entry and every entry after a ``},{`` open a new position; there must be
+    exactly ``L - 1`` (only position 0 is ``null``).
+    """
     newpos = np.empty(E, dtype=bool)
     newpos[0] = True
     np.logical_not(g3, out=newpos[1:])
@@ -271,23 +333,19 @@ def _scan(body: bytes, pl, pids: np.ndarray, L: int):
         _fail(f"{starts.size} non-null positions for an array of {L} (null or empty rows?)")
     pos = np.cumsum(newpos)  # 1..L-1
     counts = np.diff(starts, append=E)
+    return pos, starts, counts
 
-    ids64 = _ids(W, c0 + 1, c1 - c0 - 1)
-    # The rank's value is not used (nor by the generic path), but the slot must hold 1-8 digits.
-    _digits_word(W, c4 + 7, c6 - 1 - (c4 + 7), "rank")
-    lp64 = _floats(W, W4, c1 + 13, c4 - (c1 + 13), E)
 
-    # Own token per position, looked up by id (never by place in the row): exactly one per position.
+def _own_mask(ids64: np.ndarray, pids: np.ndarray, pos: np.ndarray, L: int) -> np.ndarray:
+    """Mask (bool, ``(E,)``) of the prompt token's own entry per position, found by id (never by place in the row).
+
+    Exactly one per position, else fall back.
+    """
     own = ids64 == pids[pos].astype(np.int64)
     hits = np.bincount(pos[own], minlength=L)
     if hits[0] != 0 or not (hits[1:] == 1).all():
         _fail("prompt token missing from a position")
-    _check_unique_ids(ids64, pos, starts, counts, E)
-    own64 = lp64[own]
-
-    _cross_check(pl, pids, L, starts, counts, ids64, lp64)
-    nn = np.arange(1, L, dtype=np.intp)
-    return nn, own64, counts.astype(np.intp), ids64, lp64
+    return own
 
 
 def _check_owner(body: bytes, j: int) -> None:
