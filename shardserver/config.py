@@ -59,6 +59,13 @@ class ServerConfig:
     keep_alive_s: float = 75.0
     max_request_bytes: int = 16 * MiB
     graceful_shutdown_s: float = 5.0
+    # A request's headers must be complete this long after the connection opened or the
+    # request's first byte arrived; its body this long after the headers (else 408 and close).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    # Open client connections per front-end at which it stops accepting (lowered to the soft
+    # RLIMIT_NOFILE minus a reserve); idle keep-alive connections are closed first to make room.
+    max_connections: int = 4096
     access_log: bool = False
     log_level: str = "info"
     # Secret that signs session and future IDs. Empty: the secret kept in
@@ -83,6 +90,9 @@ class ServerConfig:
         _check(self.keep_alive_s, "server.keep_alive_s", self.keep_alive_s > 0, "must be > 0")
         _check(self.max_request_bytes, "server.max_request_bytes", self.max_request_bytes >= 1024, "must be >= 1024")
         _check(self.graceful_shutdown_s, "server.graceful_shutdown_s", self.graceful_shutdown_s >= 0, "must be >= 0")
+        _check(self.header_timeout_s, "server.header_timeout_s", self.header_timeout_s > 0, "must be > 0")
+        _check(self.body_timeout_s, "server.body_timeout_s", self.body_timeout_s > 0, "must be > 0")
+        _check(self.max_connections, "server.max_connections", self.max_connections >= 16, "must be >= 16")
         _check(self.log_level, "server.log_level", self.log_level in ("debug", "info", "warning", "error"),
                "must be one of debug, info, warning, error")
         _check(self.host_id, "server.host_id", re.fullmatch(r"[a-z0-9]{1,16}", self.host_id) is not None,

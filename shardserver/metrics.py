@@ -9,7 +9,7 @@ front-end answering a scrape merges all of them
 never go backwards when a worker is restarted; the directory goes with the run
 directory at shutdown, and run directories of dead supervisors are removed at
 the next start. :func:`shardserver.prometheus_dir.mark_process_dead` is called for every child that exits (it
-drops the files of live-mode gauges, of which there are none today).
+drops the files of live-mode gauges: ``shardserver_connections_open``).
 
 Gauges that describe a shard's *current* state (futures by stage, arena
 bytes, engine reachability) are not kept in files: the front-end asks every
@@ -33,7 +33,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from .messages import FutureState
@@ -122,6 +122,22 @@ RETRIEVE_LATENCY = Histogram(
 BYTES_DELIVERED = Counter("shardserver_bytes_delivered",
                           "Result bytes (proto or JSON) copied from the arenas into responses.",
                           registry=REGISTRY)
+CONNECTIONS_OPEN = Gauge("shardserver_connections_open", "Client connections open, summed over live front-ends.",
+                         registry=REGISTRY, multiprocess_mode="livesum")
+CONNECTION_TIMEOUTS = Counter(
+    "shardserver_connection_timeouts",
+    "Connections closed because a request's headers (server.header_timeout_s) or body (server.body_timeout_s) "
+    "did not arrive in time.", ["phase"], registry=REGISTRY)
+CONNECTION_CAP_REACHED = Counter(
+    "shardserver_connection_cap_reached",
+    "Times a front-end reached server.max_connections and stopped accepting (new clients wait in the backlog).",
+    registry=REGISTRY)
+CONNECTIONS_EVICTED = Counter("shardserver_connections_evicted",
+                              "Idle keep-alive connections closed to make room at server.max_connections.",
+                              registry=REGISTRY)
+ACCEPT_ERRORS = Counter("shardserver_accept_errors",
+                        "accept() failures of the front-ends by errno name (EMFILE: out of file descriptors).",
+                        ["reason"], registry=REGISTRY)
 AUTH_REJECTED = Counter("shardserver_auth_rejected", "Requests answered 401 (reason: missing or invalid key).",
                         ["reason"], registry=REGISTRY)
 

@@ -24,7 +24,9 @@
 6. watch the children's sentinels: a dead encoder gets a fresh arena and is
    restarted (its futures are lost and answer 410); a dead front-end is
    restarted;
-7. on SIGTERM/SIGINT: close the listening socket, stop the front-ends (graceful, bounded by
+7. on SIGTERM/SIGINT: close the supervisor's copy of the listening socket (the kernel stops
+   listening when the front-ends have closed theirs, which they do first thing, see
+   :class:`.frontend.DrainingServer`); stop the front-ends (graceful, bounded by
    ``server.graceful_shutdown_s``), then the encoders and the simulator,
    kill what is left, unlink every segment, remove the run directory.
 
