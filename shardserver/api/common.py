@@ -59,7 +59,7 @@ async def read_json(request: Request) -> Any:
     Raises:
         BodyError: 413 when the body exceeds ``server.max_request_bytes`` (by Content-Length, or
             counted while receiving a chunked upload, which is cut off at the limit); 400 when it
-            is not valid JSON; 408 when it did not arrive within ``server.body_timeout_s`` (the
+            is not valid JSON (nested too deeply included); 408 when it did not arrive within ``server.body_timeout_s`` (the
             connection already answered 408 and closed); :data:`CLIENT_CLOSED` when the client
             closed the connection first. The last two answers go nowhere (the connection is
             gone); they only count the request in the metrics.
@@ -87,3 +87,5 @@ async def read_json(request: Request) -> Any:
         return json.loads(body) if body else {}
     except ValueError as exc:
         raise BodyError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser recurses per nesting level: ~1000 levels exhaust the stack limit
+        raise BodyError(400, "request body is not valid JSON: arrays/objects nested too deeply") from None
