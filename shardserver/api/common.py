@@ -21,11 +21,16 @@ from starlette.requests import ClientDisconnect
 
 from .state import context
 
-__all__ = ["BodyError", "error", "read_json", "validation_message", "TIMED_OUT_SCOPE_KEY", "CLIENT_CLOSED"]
+__all__ = ["BodyError", "error", "read_json", "validation_message", "TIMED_OUT_SCOPE_KEY", "WAIT_WRITTEN_SCOPE_KEY",
+           "CLIENT_CLOSED"]
 
 # Set in the ASGI scope by the connection (shardserver.workers.http_conn) when the request's body
 # did not arrive within server.body_timeout_s; the client was answered 408 there.
 TIMED_OUT_SCOPE_KEY = "shardserver.timed_out"
+# Set in the ASGI scope by the connection: ``await scope[WAIT_WRITTEN_SCOPE_KEY](timeout_s)`` is
+# True once every byte of the response left the process on a connection that stayed open
+# (shardserver.workers.http_conn.GatewayHttpProtocol.wait_written).
+WAIT_WRITTEN_SCOPE_KEY = "shardserver.wait_written"
 # Status recorded (never sent: nobody is listening) for a request whose client closed the
 # connection before its body was complete; nginx's "client closed request".
 CLIENT_CLOSED = 499

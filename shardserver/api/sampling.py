@@ -37,7 +37,7 @@ from ..messages import (
     SubmitRequest,
 )
 from .auth import owner_of
-from .common import error, read_json
+from .common import WAIT_WRITTEN_SCOPE_KEY, error, read_json
 from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
 from .state import FrontendContext, context
 
@@ -59,11 +59,30 @@ router = APIRouter()
 
 
 class ResultResponse(Response):
-    """A finished result's bytes; reports delivery only if the client was still connected after the write."""
+    """A finished result's bytes; reports delivery (``on_delivered()``) only when its last byte was
+    written to a connection that stayed open.
 
-    def __init__(self, content: bytes, media_type: str, on_delivered, headers: dict[str, str]) -> None:
+    Under shardserver's own connection handling the scope carries
+    :data:`~shardserver.api.common.WAIT_WRITTEN_SCOPE_KEY`: after the body is handed to the
+    transport, delivery waits until the transport's write buffer is empty with the connection
+    still open (up to ``server.keep_alive_s``). A client that reads part of the body and closes
+    breaks the connection while bytes are still buffered: not delivered, so the result stays
+    in the completed stage and a re-poll gets it (the retrieved TTL never starts). Elsewhere
+    (e.g. a test client) only a disconnect seen before the write counts.
+
+    Args:
+        content: the result (proto or JSON bytes).
+        media_type: its Content-Type.
+        on_delivered: called once the result counts as delivered.
+        headers: extra response headers.
+        written_timeout_s: how long to wait for the write buffer to empty.
+    """
+
+    def __init__(self, content: bytes, media_type: str, on_delivered, headers: dict[str, str],
+                 written_timeout_s: float = 75.0) -> None:
         super().__init__(content=content, media_type=media_type, headers=headers)
         self._on_delivered = on_delivered
+        self._written_timeout_s = written_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
         # The request body was read already, so a pending receive() completes only on disconnect
@@ -76,8 +95,12 @@ class ResultResponse(Response):
             await send({"type": "http.response.body", "body": self.body})
         finally:
             watch.cancel()
-        if not lost:
-            self._on_delivered()
+        if lost:
+            return
+        wait_written = scope.get(WAIT_WRITTEN_SCOPE_KEY)
+        if wait_written is not None and not await wait_written(self._written_timeout_s):
+            return
+        self._on_delivered()
 
 
 class _Refused(Exception):
@@ -247,7 +270,7 @@ async def retrieve_future(request: Request) -> Response:
             return ResultResponse(
                 data, PROTO_MEDIA_TYPE if want == ResultForm.PROTO else "application/json",
                 lambda: client.delivered(fid),
-                headers={**fe_header, "X-Shardserver-Shard": str(shard)})
+                headers={**fe_header, "X-Shardserver-Shard": str(shard)}, written_timeout_s=cfg.server.keep_alive_s)
         if isinstance(reply, PollPending):
             ctx.count("retrieve_408")
             return JSONResponse({"type": "try_again", "request_id": fid, "queue_state": "active"},

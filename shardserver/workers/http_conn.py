@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ..api.common import TIMED_OUT_SCOPE_KEY
+from ..api.common import TIMED_OUT_SCOPE_KEY, WAIT_WRITTEN_SCOPE_KEY
 from ..metrics import ACCEPT_ERRORS, CONNECTION_CAP_REACHED, CONNECTION_TIMEOUTS, CONNECTIONS_EVICTED, CONNECTIONS_OPEN
 
 __all__ = ["ConnectionLimits", "GatewayHttpProtocol", "Listener", "RateLimitedLog", "effective_max_connections",
@@ -145,6 +145,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._started = False       # a byte of the current request arrived
         self._draining = False
         self.idle_since = 0.0       # monotonic time the connection became idle (0: busy)
+        self._lost: Exception | None | bool = False  # False while connected; else connection_lost's exc
+        self._write_event: asyncio.Event | None = None  # set on resume_writing and connection_lost
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, phase: str, seconds: float) -> None:
@@ -192,6 +194,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self.begin_drain()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = exc if exc is not None else True
+        if self._write_event is not None:
+            self._write_event.set()
         self._disarm()
         if self.idle_since and self._listener is not None:
             self._listener.not_idle(self)
@@ -221,6 +226,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.scope[WAIT_WRITTEN_SCOPE_KEY] = self.wait_written  # type: ignore[literal-required]
         if self._draining and self.cycle is not None:
             self.cycle.keep_alive = False  # answered with Connection: close, then closed
         if self.parser is not None and self.cycle is not None and self.cycle.more_body:
@@ -241,6 +248,38 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.idle_since = time.monotonic()
         if self._listener is not None:
             self._listener.idle(self)
+
+    # -- delivery -------------------------------------------------------------------------------
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_event is not None:
+            self._write_event.set()
+
+    async def wait_written(self, timeout: float) -> bool:
+        """Wait until every byte written so far has left this process for the kernel.
+
+        Returns True when the transport's write buffer is empty while the connection is open
+        (or was closed by us, cleanly, after the buffer was sent: a ``Connection: close``
+        answer); False when the connection broke first (the client reset or closed it: the
+        bytes still buffered never left) or ``timeout`` seconds passed.
+        The ASGI app finds it as ``scope[WAIT_WRITTEN_SCOPE_KEY]``.
+        """
+        deadline = self.loop.time() + timeout
+        while True:
+            if self._lost is not False:
+                return self._lost is True  # closed cleanly: uvloop/asyncio flush before closing
+            if self.transport.get_write_buffer_size() == 0:
+                return True
+            left = deadline - self.loop.time()
+            if left <= 0:
+                return False
+            if self._write_event is None:
+                self._write_event = asyncio.Event()
+            self._write_event.clear()
+            try:  # woken by resume_writing / connection_lost; re-checked at least every 50 ms
+                await asyncio.wait_for(self._write_event.wait(), min(left, 0.05))
+            except asyncio.TimeoutError:
+                pass
 
     # -- shutdown -------------------------------------------------------------------------------
     def begin_drain(self) -> None:
