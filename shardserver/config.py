@@ -109,11 +109,18 @@ class ShardsConfig:
     arena_bytes: int = 256 * MiB
     # Seconds the supervisor waits for a worker's READY before giving up.
     ready_timeout_s: float = 30.0
+    # Per shard: futures waiting for the engine, and the engine request bytes they hold, beyond
+    # which asample answers 429 (the SDK backs off and retries).
+    max_pending: int = 16384
+    max_pending_request_bytes: int = 512 * MiB
 
     def validate(self) -> None:
         _check(self.count, "shards.count", 1 <= self.count <= 256, "must be 1..256")
         _check(self.arena_bytes, "shards.arena_bytes", self.arena_bytes >= 1 * MiB, "must be >= 1 MiB (1048576)")
         _check(self.ready_timeout_s, "shards.ready_timeout_s", self.ready_timeout_s > 0, "must be > 0")
+        _check(self.max_pending, "shards.max_pending", self.max_pending >= 1, "must be >= 1")
+        _check(self.max_pending_request_bytes, "shards.max_pending_request_bytes",
+               self.max_pending_request_bytes >= 1 * MiB, "must be >= 1 MiB (1048576)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from ..config import EngineConfig
 from ..engine_request import completion_request_body
 from ..errors import EncoderDeadError, SlotInvalidError
 from ..ids import FutureIdStatus, shard_of
+from ..metrics import count_asample_refused
 from ..messages import (
     PollDone,
     PollFailed,
@@ -50,6 +51,8 @@ PROTO_MEDIA_TYPE = "application/x-protobuf"
 # The HTTP status of each SUBMIT refusal (429: the SDK retries after Retry-After).
 REFUSAL_STATUS = {
     RefusalReason.NO_ROOM: 429,
+    RefusalReason.PENDING_LIMIT: 429,
+    RefusalReason.PENDING_BYTES: 429,
     RefusalReason.TOO_LARGE: 400,
     RefusalReason.INVALID: 400,
     RefusalReason.INTERNAL: 500,
@@ -193,7 +196,8 @@ async def asample(request: Request) -> JSONResponse:
 async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body: bytes, n: int) -> JSONResponse:
     """SUBMIT to ``shard`` and answer: 200 with the future ID, 503 when the shard is down (retry),
     or the shard's refusal with the status of :data:`REFUSAL_STATUS` (429 with ``Retry-After: 1``
-    when its arena has no room, 400 when the result could never fit)."""
+    when its arena has no room or its pending bounds are reached, 400 when the result could never
+    fit); refusals are counted in ``shardserver_asample_refused_total{reason}``."""
     fe_header = ctx.fe_header
     try:
         reply = await ctx.clients[shard].submit(submit, body, timeout=30)
@@ -204,6 +208,7 @@ async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body:
     if isinstance(reply, SubmitRefused):
         status = REFUSAL_STATUS[reply.reason]
         ctx.count(f"asample_{status}")
+        count_asample_refused(reply.reason.value)
         hdrs = dict(fe_header)
         if status == 429:
             hdrs["Retry-After"] = "1"

@@ -17,6 +17,12 @@ is given back, so a completion always finds room. When no free block is
 large enough, delivered results in their grace window are evicted oldest
 first, and if that is not enough the SUBMIT is refused (the front-end answers
 429). Undelivered results are never evicted.
+
+Pending futures are bounded per shard: ``shards.max_pending`` futures and
+``shards.max_pending_request_bytes`` of engine request bodies, beyond which
+SUBMIT is refused (429). At most ``engine.pool_size`` engine calls run at
+once; the other pending futures wait in a queue holding only their entry and
+their request body (about 1 KB besides the body), not a task.
 """
 
 from __future__ import annotations
@@ -71,7 +77,13 @@ log = logging.getLogger("shardserver.encoder")
 
 @dataclass(slots=True, eq=False)
 class FutureEntry:
-    """One future in a shard's table. Holds no request body (the engine task does, while it runs)."""
+    """One future in a shard's table.
+
+    While it waits for an engine connection, ``job`` holds what its engine call needs (the
+    request body and the decode parameters); the engine task takes it over when it starts,
+    and nothing holds the body once the engine answered. ``body_bytes`` is the body's size
+    while it is held (counted in ``EncoderCore.pending_request_bytes``).
+    """
 
     fid: str
     key: tuple[str, int] | None
@@ -87,6 +99,8 @@ class FutureEntry:
     delivered: bool = False
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
+    job: tuple | None = None      # (body, sid, n, prompt_logprobs, topk, prompt) while queued
+    body_bytes: int = 0
 
 
 class EncoderCore:
@@ -128,6 +142,14 @@ class EncoderCore:
         self.decode_encode_s = 0.0
         self.timers = EncoderTimers()
         self.engine_probe = engine_probe
+        # Engine calls: at most engine.pool_size run at once (one engine connection each); the
+        # other pending futures wait in ``engine_queue`` holding only their FutureEntry and job.
+        self.max_engine_calls = cfg.engine.pool_size
+        self.engine_calls = 0
+        self.engine_queue: collections.deque[FutureEntry] = collections.deque()
+        self._queue_stale = 0  # entries in engine_queue that left the pending state meanwhile
+        self.pending_request_bytes = 0  # engine request bodies held by pending futures
+        self._closed = False
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float) -> None:
@@ -155,7 +177,15 @@ class EncoderCore:
             self.arena.free(e.reserve)
             e.reserve = None
 
+    def _release_body(self, e: FutureEntry) -> None:
+        if e.job is not None:
+            e.job = None
+            self._queue_stale += 1  # it stays in engine_queue until it is skipped or compacted
+        self.pending_request_bytes -= e.body_bytes
+        e.body_bytes = 0
+
     def _release(self, e: FutureEntry) -> None:
+        self._release_body(e)
         self._release_reserve(e)
         for s in (e.slot, e.json_slot):
             if s is not None:
@@ -222,6 +252,9 @@ class EncoderCore:
         except (OverflowError, ValueError, TypeError) as exc:
             return SubmitRefused(reason=RefusalReason.INVALID, message=f"invalid sample request: {exc}")
         n, want_plp, topk = req.n, req.prompt_logprobs, req.topk
+        refused = self._pending_limit(len(body))
+        if refused is not None:
+            return refused
         payload = req.reserve_bytes
         need = ArenaWriter.slot_bytes(payload)
         if need > self.arena.size:
@@ -246,10 +279,47 @@ class EncoderCore:
         self.state_counts[FutureState.PENDING] += 1
         self.by_key[key] = fid
         self._set_deadline(e, self.cfg.futures.pending_ttl_s)
-        e.task = asyncio.get_running_loop().create_task(
-            self._run(e, body, req.sid, n, want_plp, topk, prompt_arr), name=f"engine-call-{fid[:16]}")
+        e.job = (body, req.sid, n, want_plp, topk, prompt_arr)
+        e.body_bytes = len(body)
+        self.pending_request_bytes += e.body_bytes
+        self.engine_queue.append(e)
+        self._start_engine_calls()
         self.counters["submitted"] += 1
         return SubmitAccepted(request_id=fid)
+
+    def _pending_limit(self, body_bytes: int) -> SubmitRefused | None:
+        """The refusal when one more pending future of ``body_bytes`` would pass
+        ``shards.max_pending`` or ``shards.max_pending_request_bytes`` (a body larger than the
+        whole bound is let through when no other body is held, so it is never refused forever)."""
+        sc = self.cfg.shards
+        pending = self.state_counts[FutureState.PENDING]
+        if pending >= sc.max_pending:
+            self.counters["rejected_pending_limit"] += 1
+            return SubmitRefused(reason=RefusalReason.PENDING_LIMIT, message=(
+                f"shard {self.shard} holds {pending} futures waiting for the engine (shards.max_pending="
+                f"{sc.max_pending}); retry later"))
+        if self.pending_request_bytes and self.pending_request_bytes + body_bytes > sc.max_pending_request_bytes:
+            self.counters["rejected_pending_bytes"] += 1
+            return SubmitRefused(reason=RefusalReason.PENDING_BYTES, message=(
+                f"shard {self.shard} holds {self.pending_request_bytes} bytes of engine requests waiting for the "
+                f"engine; this one ({body_bytes} bytes) would pass shards.max_pending_request_bytes="
+                f"{sc.max_pending_request_bytes}; retry later"))
+        return None
+
+    def _start_engine_calls(self) -> None:
+        """Start queued engine calls while fewer than ``engine.pool_size`` run."""
+        q = self.engine_queue
+        while q and self.engine_calls < self.max_engine_calls and not self._closed:
+            e = q.popleft()
+            if e.job is None:  # left the pending state while queued (TTL, close)
+                self._queue_stale -= 1
+                continue
+            job, e.job = e.job, None
+            self.engine_calls += 1
+            e.task = asyncio.get_running_loop().create_task(self._run(e, *job), name=f"engine-call-{e.fid[:16]}")
+        if self._queue_stale > 64 and self._queue_stale * 2 > len(q):
+            self.engine_queue = collections.deque(e for e in q if e.job is not None)
+            self._queue_stale = 0
 
     async def _run(self, e: FutureEntry, body: bytes, sid: str, n: int, want_plp: bool, topk: int,
                    prompt: np.ndarray | None) -> None:
@@ -286,6 +356,7 @@ class EncoderCore:
                         return
                     continue
                 body = b""  # nothing more to send: keep no request body
+                self._release_body(e)
                 self._store(e, dc)
                 dt = time.perf_counter() - t0
                 self.decode_encode_s += dt
@@ -296,6 +367,10 @@ class EncoderCore:
         except Exception as exc:  # a bug must fail this future, not hang it
             log.exception("engine task for %s failed", e.fid)
             self._fail(e, f"internal error: {exc}", "server")
+        finally:
+            self._release_body(e)
+            self.engine_calls -= 1
+            self._start_engine_calls()
 
     def _store(self, e: FutureEntry, dc) -> None:
         size = sample_response_size(dc)
@@ -451,6 +526,9 @@ class EncoderCore:
             counters=dict(self.counters),
             stages=self.stages(),
             engine=self.engine_probe.state() if self.engine_probe is not None else None,
+            pending_request_bytes=self.pending_request_bytes,
+            engine_calls=self.engine_calls,
+            engine_queued=len(self.engine_queue) - self._queue_stale,
         )
 
     async def handle(self, msg: object, blob: bytes) -> SubmitReply | PollReply | StatsReply | ErrorReply | None:
@@ -469,6 +547,7 @@ class EncoderCore:
     def close(self, why: str = "server shutting down") -> None:
         """Stop the shard's work: every pending future goes GONE with ``why`` (waiting polls answer
         410) and every engine call still running is cancelled. Results already in the arena stay."""
+        self._closed = True
         for e in list(self.table.values()):
             if e.state == FutureState.PENDING:
                 self._gone(e, why)
