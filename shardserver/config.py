@@ -207,9 +207,14 @@ class AuthConfig:
     mode: str = "open"
     keys_file: str = ""
     keys_env: str = "SHARDSERVER_API_KEYS"
+    # With mode = "keys": the fraction of every shard's arena, pending futures and pending request
+    # bytes that one key may hold; 0 = an equal share, 1 / (number of keys), set at start.
+    key_share: float = 0.0
 
     def validate(self) -> None:
         _check(self.mode, "auth.mode", self.mode in ("open", "keys"), 'must be "open" or "keys"')
+        _check(self.key_share, "auth.key_share", 0 <= self.key_share <= 1,
+               "must be 0 (an equal share per key) or a fraction in (0, 1]")
         if self.keys_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.keys_env):
             # Never echo the value: it may be a key put here by mistake.
             raise ConfigError("auth.keys_env", "must be the name of an environment variable that holds the keys "

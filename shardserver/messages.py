@@ -94,6 +94,7 @@ class RefusalReason(enum.StrEnum):
     NO_ROOM = "no_room"      # no free arena block for the reservation, even after evicting: retry later
     PENDING_LIMIT = "pending_limit"  # the shard holds shards.max_pending futures waiting for the engine
     PENDING_BYTES = "pending_bytes"  # ... or shards.max_pending_request_bytes of their engine request bodies
+    KEY_QUOTA = "key_quota"  # the request's API key holds its share (auth.key_share) of one of those or the arena
     TOO_LARGE = "too_large"  # the largest possible result is larger than the whole arena
     INVALID = "invalid"      # the request's fields could not be used (e.g. a prompt token out of int32)
     INTERNAL = "internal"    # the encoder failed while handling it (an ErrorReply, folded by the client)

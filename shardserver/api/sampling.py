@@ -53,6 +53,7 @@ REFUSAL_STATUS = {
     RefusalReason.NO_ROOM: 429,
     RefusalReason.PENDING_LIMIT: 429,
     RefusalReason.PENDING_BYTES: 429,
+    RefusalReason.KEY_QUOTA: 429,
     RefusalReason.TOO_LARGE: 400,
     RefusalReason.INVALID: 400,
     RefusalReason.INTERNAL: 500,

@@ -23,6 +23,12 @@ Pending futures are bounded per shard: ``shards.max_pending`` futures and
 SUBMIT is refused (429). At most ``engine.pool_size`` engine calls run at
 once; the other pending futures wait in a queue holding only their entry and
 their request body (about 1 KB besides the body), not a task.
+
+With ``auth.mode = "keys"`` each API key (the SUBMIT's ``owner``) may hold at
+most ``auth.key_share`` of the shard's arena (reservations plus results not
+delivered yet), of ``shards.max_pending`` and of
+``shards.max_pending_request_bytes`` (:class:`OwnerUsage`); beyond it SUBMIT
+is refused with reason KEY_QUOTA (429), so one key cannot lock out another.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ from ..shm.arena import ArenaWriter, Slot
 if TYPE_CHECKING:
     from ..health import EngineProbe
 
-__all__ = ["EncoderCore", "EncoderProc", "FutureEntry"]
+__all__ = ["EncoderCore", "EncoderProc", "FutureEntry", "OwnerUsage"]
 
 log = logging.getLogger("shardserver.encoder")
 
@@ -101,6 +107,24 @@ class FutureEntry:
     task: asyncio.Task[None] | None = None
     job: tuple | None = None      # (body, sid, n, prompt_logprobs, topk, prompt) while queued
     body_bytes: int = 0
+    owner: str = ""               # the API key's owner tag (per-key shares, auth.key_share)
+    charged: int = 0              # arena bytes counted against the owner's share
+
+
+@dataclass(slots=True)
+class OwnerUsage:
+    """What one API key holds in a shard, checked against its share (``auth.key_share``).
+
+    Attributes:
+        pending: its futures waiting for the engine.
+        request_bytes: engine request bodies those futures hold (bytes).
+        arena_bytes: arena bytes reserved for its pending futures plus the slots of its results
+            not delivered yet (bytes; delivered results can be evicted, so they do not count).
+    """
+
+    pending: int = 0
+    request_bytes: int = 0
+    arena_bytes: int = 0
 
 
 class EncoderCore:
@@ -150,6 +174,9 @@ class EncoderCore:
         self._queue_stale = 0  # entries in engine_queue that left the pending state meanwhile
         self.pending_request_bytes = 0  # engine request bodies held by pending futures
         self._closed = False
+        # Per-key shares (auth.mode = "keys"; the supervisor sets key_share to 1/keys when it is 0).
+        self.key_share = cfg.auth.key_share if cfg.auth.mode == "keys" else 0.0
+        self.owners: dict[str, OwnerUsage] = {}
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float) -> None:
@@ -163,6 +190,8 @@ class EncoderCore:
         if e.fid in self.table:
             self.state_counts[e.state] -= 1
             self.state_counts[state] += 1
+        if state != FutureState.PENDING:
+            self._left_pending(e)
         e.state = state
 
     def _wake(self, e: FutureEntry) -> None:
@@ -177,14 +206,50 @@ class EncoderCore:
             self.arena.free(e.reserve)
             e.reserve = None
 
+    def _usage(self, owner: str) -> OwnerUsage | None:
+        """The usage record of ``owner`` (created on demand), or None when shares are off."""
+        if not self.key_share:
+            return None
+        u = self.owners.get(owner)
+        if u is None:
+            u = self.owners[owner] = OwnerUsage()
+        return u
+
+    def _settle(self, owner: str, u: OwnerUsage) -> None:
+        if not (u.pending or u.request_bytes or u.arena_bytes):
+            self.owners.pop(owner, None)  # the table stays as large as the keys with something held
+
+    def _charge(self, e: FutureEntry, arena_bytes: int) -> None:
+        """Count ``arena_bytes`` (instead of what was counted so far) against the future's owner."""
+        if e.charged == arena_bytes:
+            return
+        u = self._usage(e.owner)
+        if u is not None:
+            u.arena_bytes += arena_bytes - e.charged
+            self._settle(e.owner, u)
+        e.charged = arena_bytes
+
     def _release_body(self, e: FutureEntry) -> None:
         if e.job is not None:
             e.job = None
             self._queue_stale += 1  # it stays in engine_queue until it is skipped or compacted
-        self.pending_request_bytes -= e.body_bytes
-        e.body_bytes = 0
+        if e.body_bytes:
+            self.pending_request_bytes -= e.body_bytes
+            u = self._usage(e.owner)
+            if u is not None:
+                u.request_bytes -= e.body_bytes
+                self._settle(e.owner, u)
+            e.body_bytes = 0
+
+    def _left_pending(self, e: FutureEntry) -> None:
+        """The future stopped waiting for the engine: its owner has one pending future less."""
+        u = self._usage(e.owner) if e.state == FutureState.PENDING else None
+        if u is not None:
+            u.pending -= 1
+            self._settle(e.owner, u)
 
     def _release(self, e: FutureEntry) -> None:
+        self._charge(e, 0)
         self._release_body(e)
         self._release_reserve(e)
         for s in (e.slot, e.json_slot):
@@ -197,6 +262,7 @@ class EncoderCore:
         if self.table.pop(e.fid, None) is not None:
             self.state_counts[e.state] -= 1
             self.delivered_count -= e.delivered
+            self._left_pending(e)
         if e.key is not None and self.by_key.get(e.key) == e.fid:
             del self.by_key[e.key]
         self.eviction_queue.pop(e.fid, None)
@@ -252,15 +318,15 @@ class EncoderCore:
         except (OverflowError, ValueError, TypeError) as exc:
             return SubmitRefused(reason=RefusalReason.INVALID, message=f"invalid sample request: {exc}")
         n, want_plp, topk = req.n, req.prompt_logprobs, req.topk
-        refused = self._pending_limit(len(body))
-        if refused is not None:
-            return refused
         payload = req.reserve_bytes
         need = ArenaWriter.slot_bytes(payload)
         if need > self.arena.size:
             return SubmitRefused(reason=RefusalReason.TOO_LARGE, message=(
                 f"the result of this request can reach {need} bytes, more than the shard's arena "
                 f"({self.arena.size} bytes, shards.arena_bytes); lower max_tokens or num_samples"))
+        refused = self._key_quota(req.owner, len(body), need) or self._pending_limit(len(body))
+        if refused is not None:
+            return refused
         # Reserve a real, contiguous slot now: the completion writes into it and gives back the
         # tail, so it can never fail for lack of (contiguous) space.
         slot = self.arena.alloc(payload)
@@ -273,7 +339,7 @@ class EncoderCore:
                 f"({self.arena.used_bytes - self.reserved_bytes} bytes of results, {self.reserved_bytes} reserved, "
                 f"{self.arena.size} in all); retry later"))
         fid = self.signer.mint_future_id(self.shard, self.cfg.shards.count, req.owner)
-        e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserve=slot)
+        e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserve=slot, owner=req.owner)
         self.reserved_bytes += slot.capacity
         self.table[fid] = e
         self.state_counts[FutureState.PENDING] += 1
@@ -282,10 +348,41 @@ class EncoderCore:
         e.job = (body, req.sid, n, want_plp, topk, prompt_arr)
         e.body_bytes = len(body)
         self.pending_request_bytes += e.body_bytes
+        u = self._usage(req.owner)
+        if u is not None:
+            u.pending += 1
+            u.request_bytes += e.body_bytes
+        self._charge(e, slot.capacity)
         self.engine_queue.append(e)
         self._start_engine_calls()
         self.counters["submitted"] += 1
         return SubmitAccepted(request_id=fid)
+
+    def _key_quota(self, owner: str, body_bytes: int, arena_bytes: int) -> SubmitRefused | None:
+        """The refusal when the key ``owner`` would pass its share (``auth.key_share``) of this
+        shard's pending futures, pending request bytes or arena with one more request of
+        ``body_bytes`` reserving ``arena_bytes``; None when shares are off or it fits."""
+        u = self.owners.get(owner) if self.key_share else None
+        if u is None:
+            return None
+        share, sc, shard = self.key_share, self.cfg.shards, self.shard
+        max_pending = max(1, int(share * sc.max_pending))
+        if u.pending >= max_pending:
+            what = (f"this API key has {u.pending} futures waiting for the engine on shard {shard}, its share of "
+                    f"shards.max_pending (auth.key_share={share:.4g} x {sc.max_pending} = {max_pending})")
+        elif u.request_bytes and u.request_bytes + body_bytes > share * sc.max_pending_request_bytes:
+            what = (f"this API key holds {u.request_bytes} bytes of engine requests on shard {shard}; {body_bytes} "
+                    f"more would pass its share of shards.max_pending_request_bytes (auth.key_share={share:.4g} x "
+                    f"{sc.max_pending_request_bytes} = {int(share * sc.max_pending_request_bytes)})")
+        elif u.arena_bytes and u.arena_bytes + arena_bytes > share * self.arena.size:
+            what = (f"this API key holds {u.arena_bytes} bytes of shard {shard}'s arena (reservations and results "
+                    f"not retrieved yet); {arena_bytes} more would pass its share of shards.arena_bytes "
+                    f"(auth.key_share={share:.4g} x {self.arena.size} = {int(share * self.arena.size)})")
+        else:
+            return None
+        self.counters["rejected_key_quota"] += 1
+        return SubmitRefused(reason=RefusalReason.KEY_QUOTA,
+                             message=f"API key quota: {what}; retrieve its results or retry later")
 
     def _pending_limit(self, body_bytes: int) -> SubmitRefused | None:
         """The refusal when one more pending future of ``body_bytes`` would pass
@@ -403,6 +500,7 @@ class EncoderCore:
             return
         self.arena.commit(slot, size)
         e.slot = slot
+        self._charge(e, slot.capacity)  # an undelivered result cannot be evicted: it stays on the key's share
         self._set_state(e, FutureState.DONE)
         self.counters["completed"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)
@@ -481,6 +579,7 @@ class EncoderCore:
             e.delivered = True
             self.delivered_count += 1
             self.counters["delivered"] += 1
+            self._charge(e, 0)  # delivered results can be evicted: off the key's share
         if e.state == FutureState.DONE:
             self.eviction_queue[fid] = None
             self.eviction_queue.move_to_end(fid)

@@ -35,6 +35,7 @@ Signal handlers only record the signal; the main loop does the work.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import multiprocessing as mp
@@ -201,6 +202,13 @@ class Supervisor:
         # API keys, read once here (ConfigError naming auth.keys_file if mode="keys" finds none);
         # front-ends receive only salted digests.
         self.keys = load_key_table(cfg.auth)
+        if cfg.auth.mode == "keys" and not cfg.auth.key_share:
+            # An equal share per key of every shard's arena and pending bounds (auth.key_share = 0).
+            share = 1.0 / max(1, len(self.keys))
+            self.cfg = cfg = dataclasses.replace(cfg, auth=dataclasses.replace(cfg.auth, key_share=share))
+        if cfg.auth.mode == "keys":
+            log.info("auth: each API key may hold %.3g of every shard's arena, pending futures and pending request "
+                     "bytes (auth.key_share)", cfg.auth.key_share)
         self.run_dir = ""
         self.sock: socket.socket | None = None
         self.sim_sock: socket.socket | None = None

@@ -134,7 +134,8 @@ def test_refusals_map_to_the_http_statuses_of_before():
     assert REFUSAL_STATUS == {RefusalReason.NO_ROOM: 429, RefusalReason.TOO_LARGE: 400,
                               RefusalReason.INVALID: 400, RefusalReason.INTERNAL: 500,
                               # issue 11: the pending bounds (the SDK backs off and retries)
-                              RefusalReason.PENDING_LIMIT: 429, RefusalReason.PENDING_BYTES: 429}
+                              RefusalReason.PENDING_LIMIT: 429, RefusalReason.PENDING_BYTES: 429,
+                              RefusalReason.KEY_QUOTA: 429}
 
 
 # -- malformed frames ------------------------------------------------------------------------------
