@@ -59,6 +59,13 @@ class ServerConfig:
     keep_alive_s: float = 75.0
     max_request_bytes: int = 16 * MiB
     graceful_shutdown_s: float = 5.0
+    # A request's headers must be complete this long after the connection opened or the
+    # request's first byte arrived; its body this long after the headers (else 408 and close).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    # Open client connections per front-end at which it stops accepting (lowered to the soft
+    # RLIMIT_NOFILE minus a reserve); idle keep-alive connections are closed first to make room.
+    max_connections: int = 4096
     access_log: bool = False
     log_level: str = "info"
     # Secret that signs session and future IDs. Empty: the secret kept in
@@ -83,6 +90,9 @@ class ServerConfig:
         _check(self.keep_alive_s, "server.keep_alive_s", self.keep_alive_s > 0, "must be > 0")
         _check(self.max_request_bytes, "server.max_request_bytes", self.max_request_bytes >= 1024, "must be >= 1024")
         _check(self.graceful_shutdown_s, "server.graceful_shutdown_s", self.graceful_shutdown_s >= 0, "must be >= 0")
+        _check(self.header_timeout_s, "server.header_timeout_s", self.header_timeout_s > 0, "must be > 0")
+        _check(self.body_timeout_s, "server.body_timeout_s", self.body_timeout_s > 0, "must be > 0")
+        _check(self.max_connections, "server.max_connections", self.max_connections >= 16, "must be >= 16")
         _check(self.log_level, "server.log_level", self.log_level in ("debug", "info", "warning", "error"),
                "must be one of debug, info, warning, error")
         _check(self.host_id, "server.host_id", re.fullmatch(r"[a-z0-9]{1,16}", self.host_id) is not None,
@@ -99,11 +109,18 @@ class ShardsConfig:
     arena_bytes: int = 256 * MiB
     # Seconds the supervisor waits for a worker's READY before giving up.
     ready_timeout_s: float = 30.0
+    # Per shard: futures waiting for the engine, and the engine request bytes they hold, beyond
+    # which asample answers 429 (the SDK backs off and retries).
+    max_pending: int = 16384
+    max_pending_request_bytes: int = 512 * MiB
 
     def validate(self) -> None:
         _check(self.count, "shards.count", 1 <= self.count <= 256, "must be 1..256")
         _check(self.arena_bytes, "shards.arena_bytes", self.arena_bytes >= 1 * MiB, "must be >= 1 MiB (1048576)")
         _check(self.ready_timeout_s, "shards.ready_timeout_s", self.ready_timeout_s > 0, "must be > 0")
+        _check(self.max_pending, "shards.max_pending", self.max_pending >= 1, "must be >= 1")
+        _check(self.max_pending_request_bytes, "shards.max_pending_request_bytes",
+               self.max_pending_request_bytes >= 1 * MiB, "must be >= 1 MiB (1048576)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,9 +207,14 @@ class AuthConfig:
     mode: str = "open"
     keys_file: str = ""
     keys_env: str = "SHARDSERVER_API_KEYS"
+    # With mode = "keys": the fraction of every shard's arena, pending futures and pending request
+    # bytes that one key may hold; 0 = an equal share, 1 / (number of keys), set at start.
+    key_share: float = 0.0
 
     def validate(self) -> None:
         _check(self.mode, "auth.mode", self.mode in ("open", "keys"), 'must be "open" or "keys"')
+        _check(self.key_share, "auth.key_share", 0 <= self.key_share <= 1,
+               "must be 0 (an equal share per key) or a fraction in (0, 1]")
         if self.keys_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.keys_env):
             # Never echo the value: it may be a key put here by mistake.
             raise ConfigError("auth.keys_env", "must be the name of an environment variable that holds the keys "

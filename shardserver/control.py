@@ -211,16 +211,14 @@ class ControlClient:
             asyncio.TimeoutError: no reply within ``timeout`` seconds.
             ControlProtocolError: the reply frame could not be decoded.
         """
-        w = self._writer
-        if w is None:
-            raise EncoderDeadError(f"encoder {self.shard} is not connected")
         tag = self._next_tag
         self._next_tag = (tag % 0xFFFFFFF0) + 1
+        if not self._write(encode_frame(kind, tag, msg, blob)):
+            raise EncoderDeadError(f"encoder {self.shard} is not connected")
         fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._pending[tag] = (fut, kind)
         if kind == Kind.POLL:
             self._polls.add(tag)
-        w.write(encode_frame(kind, tag, msg, blob))
         try:
             if timeout is None:
                 return await fut
@@ -288,11 +286,23 @@ class ControlClient:
         return n
 
     def send(self, kind: Kind, msg: msgspec.Struct) -> bool:
-        """Fire-and-forget message (tag 0); False if not connected."""
+        """Fire-and-forget message (tag 0); False if not connected (or the connection just broke)."""
+        return self._write(encode_frame(kind, 0, msg))
+
+    def _write(self, frame: bytes) -> bool:
+        """Queue ``frame`` on the connection; False when there is none or it is closing.
+
+        The encoder may have died a moment ago: its socket is closed before :meth:`_run` sees
+        the end of the stream and clears ``_writer``, and writing to a closed transport raises
+        (``RuntimeError`` in uvloop). Both mean the same as "not connected".
+        """
         w = self._writer
-        if w is None:
+        if w is None or w.is_closing():
             return False
-        w.write(encode_frame(kind, 0, msg))
+        try:
+            w.write(frame)
+        except (RuntimeError, OSError):
+            return False
         return True
 
     async def close(self) -> None:

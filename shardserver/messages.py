@@ -92,6 +92,9 @@ class RefusalReason(enum.StrEnum):
     """Why an encoder refused a SUBMIT (the front-end picks the HTTP status from it)."""
 
     NO_ROOM = "no_room"      # no free arena block for the reservation, even after evicting: retry later
+    PENDING_LIMIT = "pending_limit"  # the shard holds shards.max_pending futures waiting for the engine
+    PENDING_BYTES = "pending_bytes"  # ... or shards.max_pending_request_bytes of their engine request bodies
+    KEY_QUOTA = "key_quota"  # the request's API key holds its share (auth.key_share) of one of those or the arena
     TOO_LARGE = "too_large"  # the largest possible result is larger than the whole arena
     INVALID = "invalid"      # the request's fields could not be used (e.g. a prompt token out of int32)
     INTERNAL = "internal"    # the encoder failed while handling it (an ErrorReply, folded by the client)
@@ -234,6 +237,9 @@ class StatsReply(_Message, kw_only=True, omit_defaults=False):
         counters: event counts by name (``completed``, ``evicted``, ``rejected_429``, ...).
         stages: futures by stage for the ``shardserver_futures`` gauge.
         engine: the last engine probe, None when this encoder does not probe.
+        pending_request_bytes: engine request bodies held by pending futures (bytes).
+        engine_calls: engine requests in flight (at most ``engine.pool_size``).
+        engine_queued: pending futures waiting for an engine connection.
     """
 
     shard: int
@@ -247,6 +253,9 @@ class StatsReply(_Message, kw_only=True, omit_defaults=False):
     counters: dict[str, int]
     stages: dict[str, int]
     engine: EngineReachability | None
+    pending_request_bytes: int = 0
+    engine_calls: int = 0
+    engine_queued: int = 0
 
 
 class ErrorReply(_Message, kw_only=True):

@@ -9,7 +9,7 @@ front-end answering a scrape merges all of them
 never go backwards when a worker is restarted; the directory goes with the run
 directory at shutdown, and run directories of dead supervisors are removed at
 the next start. :func:`shardserver.prometheus_dir.mark_process_dead` is called for every child that exits (it
-drops the files of live-mode gauges, of which there are none today).
+drops the files of live-mode gauges: ``shardserver_connections_open``).
 
 Gauges that describe a shard's *current* state (futures by stage, arena
 bytes, engine reachability) are not kept in files: the front-end asks every
@@ -33,7 +33,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from .messages import FutureState
@@ -52,6 +52,7 @@ __all__ = [
     "render",
     "count_worker_restart",
     "count_auth_rejected",
+    "count_asample_refused",
     "gather_stats",
     "metrics_body",
 ]
@@ -122,6 +123,25 @@ RETRIEVE_LATENCY = Histogram(
 BYTES_DELIVERED = Counter("shardserver_bytes_delivered",
                           "Result bytes (proto or JSON) copied from the arenas into responses.",
                           registry=REGISTRY)
+CONNECTIONS_OPEN = Gauge("shardserver_connections_open", "Client connections open, summed over live front-ends.",
+                         registry=REGISTRY, multiprocess_mode="livesum")
+CONNECTION_TIMEOUTS = Counter(
+    "shardserver_connection_timeouts",
+    "Connections closed because a request's headers (server.header_timeout_s) or body (server.body_timeout_s) "
+    "did not arrive in time.", ["phase"], registry=REGISTRY)
+CONNECTION_CAP_REACHED = Counter(
+    "shardserver_connection_cap_reached",
+    "Times a front-end reached server.max_connections and stopped accepting (new clients wait in the backlog).",
+    registry=REGISTRY)
+CONNECTIONS_EVICTED = Counter("shardserver_connections_evicted",
+                              "Idle keep-alive connections closed to make room at server.max_connections.",
+                              registry=REGISTRY)
+ACCEPT_ERRORS = Counter("shardserver_accept_errors",
+                        "accept() failures of the front-ends by errno name (EMFILE: out of file descriptors).",
+                        ["reason"], registry=REGISTRY)
+ASAMPLE_REFUSED = Counter("shardserver_asample_refused",
+                          "asample refused by the owning shard, by reason (no_room, pending_limit, pending_bytes, key_quota: "
+                          "HTTP 429; too_large, invalid: 400; internal: 500).", ["reason"], registry=REGISTRY)
 AUTH_REJECTED = Counter("shardserver_auth_rejected", "Requests answered 401 (reason: missing or invalid key).",
                         ["reason"], registry=REGISTRY)
 
@@ -132,6 +152,10 @@ WORKER_RESTARTS = Counter("shardserver_worker_restarts", "Child processes restar
 
 def count_worker_restart(role: str) -> None:
     WORKER_RESTARTS.labels(role=role).inc()
+
+
+def count_asample_refused(reason: str) -> None:
+    ASAMPLE_REFUSED.labels(reason=reason).inc()
 
 
 def count_auth_rejected(reason: str) -> None:
@@ -363,6 +387,11 @@ class ShardGaugeCollector:
                                      "Arena bytes reserved for results of requests in flight.", labels=["shard"])
         free = GaugeMetricFamily("shardserver_arena_free_bytes",
                                  "Arena bytes neither used nor reserved (size - used - reserved).", labels=["shard"])
+        req_bytes = GaugeMetricFamily("shardserver_pending_request_bytes",
+                                      "Engine request bodies held by the shard's pending futures.", labels=["shard"])
+        calls = GaugeMetricFamily("shardserver_engine_calls",
+                                  "The shard's pending futures: running (an engine request in flight) or queued "
+                                  "(waiting for one of engine.pool_size connections).", labels=["shard", "state"])
         for r in self.replies:
             s = str(r.get("shard", "?"))
             ok = "error" not in r
@@ -380,7 +409,10 @@ class ShardGaugeCollector:
             used.add_metric([s], a_used)
             reserved.add_metric([s], a_res)
             free.add_metric([s], max(0.0, a_size - a_used - a_res))
-        return [up, engine, futures, size, used, reserved, free]
+            req_bytes.add_metric([s], float(r.get("pending_request_bytes", 0)))
+            calls.add_metric([s, "running"], float(r.get("engine_calls", 0)))
+            calls.add_metric([s, "queued"], float(r.get("engine_queued", 0)))
+        return [up, engine, futures, size, used, reserved, free, req_bytes, calls]
 
 
 def render(shard_replies: list[dict[str, Any]]) -> bytes:

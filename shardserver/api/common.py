@@ -17,10 +17,23 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from .state import context
 
-__all__ = ["BodyError", "error", "read_json", "validation_message"]
+__all__ = ["BodyError", "error", "read_json", "validation_message", "TIMED_OUT_SCOPE_KEY", "WAIT_WRITTEN_SCOPE_KEY",
+           "CLIENT_CLOSED"]
+
+# Set in the ASGI scope by the connection (shardserver.workers.http_conn) when the request's body
+# did not arrive within server.body_timeout_s; the client was answered 408 there.
+TIMED_OUT_SCOPE_KEY = "shardserver.timed_out"
+# Set in the ASGI scope by the connection: ``await scope[WAIT_WRITTEN_SCOPE_KEY](timeout_s)`` is
+# True once every byte of the response left the process on a connection that stayed open
+# (shardserver.workers.http_conn.GatewayHttpProtocol.wait_written).
+WAIT_WRITTEN_SCOPE_KEY = "shardserver.wait_written"
+# Status recorded (never sent: nobody is listening) for a request whose client closed the
+# connection before its body was complete; nginx's "client closed request".
+CLIENT_CLOSED = 499
 
 
 class BodyError(Exception):
@@ -51,7 +64,10 @@ async def read_json(request: Request) -> Any:
     Raises:
         BodyError: 413 when the body exceeds ``server.max_request_bytes`` (by Content-Length, or
             counted while receiving a chunked upload, which is cut off at the limit); 400 when it
-            is not valid JSON.
+            is not valid JSON (nested too deeply included); 408 when it did not arrive within ``server.body_timeout_s`` (the
+            connection already answered 408 and closed); :data:`CLIENT_CLOSED` when the client
+            closed the connection first. The last two answers go nowhere (the connection is
+            gone); they only count the request in the metrics.
     """
     max_body = context(request).cfg.server.max_request_bytes
     cl = request.headers.get("content-length")
@@ -60,13 +76,21 @@ async def read_json(request: Request) -> Any:
     # Count while receiving: a chunked upload without Content-Length is cut off at the limit.
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body:
-            raise BodyError(413, f"request body exceeds server.max_request_bytes={max_body} bytes")
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise BodyError(413, f"request body exceeds server.max_request_bytes={max_body} bytes")
+            parts.append(chunk)
+    except ClientDisconnect:
+        if request.scope.get(TIMED_OUT_SCOPE_KEY):
+            raise BodyError(408, "request body not received within server.body_timeout_s") from None
+        raise BodyError(CLIENT_CLOSED, "the client closed the connection before its request body was complete") \
+            from None
     body = b"".join(parts)
     try:
         return json.loads(body) if body else {}
     except ValueError as exc:
         raise BodyError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser recurses per nesting level: ~1000 levels exhaust the stack limit
+        raise BodyError(400, "request body is not valid JSON: arrays/objects nested too deeply") from None

@@ -26,6 +26,7 @@ from ..config import EngineConfig
 from ..engine_request import completion_request_body
 from ..errors import EncoderDeadError, SlotInvalidError
 from ..ids import FutureIdStatus, shard_of
+from ..metrics import count_asample_refused
 from ..messages import (
     PollDone,
     PollFailed,
@@ -37,7 +38,7 @@ from ..messages import (
     SubmitRequest,
 )
 from .auth import owner_of
-from .common import error, read_json
+from .common import WAIT_WRITTEN_SCOPE_KEY, error, read_json
 from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
 from .state import FrontendContext, context
 
@@ -50,6 +51,9 @@ PROTO_MEDIA_TYPE = "application/x-protobuf"
 # The HTTP status of each SUBMIT refusal (429: the SDK retries after Retry-After).
 REFUSAL_STATUS = {
     RefusalReason.NO_ROOM: 429,
+    RefusalReason.PENDING_LIMIT: 429,
+    RefusalReason.PENDING_BYTES: 429,
+    RefusalReason.KEY_QUOTA: 429,
     RefusalReason.TOO_LARGE: 400,
     RefusalReason.INVALID: 400,
     RefusalReason.INTERNAL: 500,
@@ -59,11 +63,30 @@ router = APIRouter()
 
 
 class ResultResponse(Response):
-    """A finished result's bytes; reports delivery only if the client was still connected after the write."""
+    """A finished result's bytes; reports delivery (``on_delivered()``) only when its last byte was
+    written to a connection that stayed open.
 
-    def __init__(self, content: bytes, media_type: str, on_delivered, headers: dict[str, str]) -> None:
+    Under shardserver's own connection handling the scope carries
+    :data:`~shardserver.api.common.WAIT_WRITTEN_SCOPE_KEY`: after the body is handed to the
+    transport, delivery waits until the transport's write buffer is empty with the connection
+    still open (up to ``server.keep_alive_s``). A client that reads part of the body and closes
+    breaks the connection while bytes are still buffered: not delivered, so the result stays
+    in the completed stage and a re-poll gets it (the retrieved TTL never starts). Elsewhere
+    (e.g. a test client) only a disconnect seen before the write counts.
+
+    Args:
+        content: the result (proto or JSON bytes).
+        media_type: its Content-Type.
+        on_delivered: called once the result counts as delivered.
+        headers: extra response headers.
+        written_timeout_s: how long to wait for the write buffer to empty.
+    """
+
+    def __init__(self, content: bytes, media_type: str, on_delivered, headers: dict[str, str],
+                 written_timeout_s: float = 75.0) -> None:
         super().__init__(content=content, media_type=media_type, headers=headers)
         self._on_delivered = on_delivered
+        self._written_timeout_s = written_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
         # The request body was read already, so a pending receive() completes only on disconnect
@@ -76,8 +99,12 @@ class ResultResponse(Response):
             await send({"type": "http.response.body", "body": self.body})
         finally:
             watch.cancel()
-        if not lost:
-            self._on_delivered()
+        if lost:
+            return
+        wait_written = scope.get(WAIT_WRITTEN_SCOPE_KEY)
+        if wait_written is not None and not await wait_written(self._written_timeout_s):
+            return
+        self._on_delivered()
 
 
 class _Refused(Exception):
@@ -170,7 +197,8 @@ async def asample(request: Request) -> JSONResponse:
 async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body: bytes, n: int) -> JSONResponse:
     """SUBMIT to ``shard`` and answer: 200 with the future ID, 503 when the shard is down (retry),
     or the shard's refusal with the status of :data:`REFUSAL_STATUS` (429 with ``Retry-After: 1``
-    when its arena has no room, 400 when the result could never fit)."""
+    when its arena has no room or its pending bounds are reached, 400 when the result could never
+    fit); refusals are counted in ``shardserver_asample_refused_total{reason}``."""
     fe_header = ctx.fe_header
     try:
         reply = await ctx.clients[shard].submit(submit, body, timeout=30)
@@ -181,6 +209,7 @@ async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body:
     if isinstance(reply, SubmitRefused):
         status = REFUSAL_STATUS[reply.reason]
         ctx.count(f"asample_{status}")
+        count_asample_refused(reply.reason.value)
         hdrs = dict(fe_header)
         if status == 429:
             hdrs["Retry-After"] = "1"
@@ -247,7 +276,7 @@ async def retrieve_future(request: Request) -> Response:
             return ResultResponse(
                 data, PROTO_MEDIA_TYPE if want == ResultForm.PROTO else "application/json",
                 lambda: client.delivered(fid),
-                headers={**fe_header, "X-Shardserver-Shard": str(shard)})
+                headers={**fe_header, "X-Shardserver-Shard": str(shard)}, written_timeout_s=cfg.server.keep_alive_s)
         if isinstance(reply, PollPending):
             ctx.count("retrieve_408")
             return JSONResponse({"type": "try_again", "request_id": fid, "queue_state": "active"},

@@ -17,6 +17,18 @@ is given back, so a completion always finds room. When no free block is
 large enough, delivered results in their grace window are evicted oldest
 first, and if that is not enough the SUBMIT is refused (the front-end answers
 429). Undelivered results are never evicted.
+
+Pending futures are bounded per shard: ``shards.max_pending`` futures and
+``shards.max_pending_request_bytes`` of engine request bodies, beyond which
+SUBMIT is refused (429). At most ``engine.pool_size`` engine calls run at
+once; the other pending futures wait in a queue holding only their entry and
+their request body (about 1 KB besides the body), not a task.
+
+With ``auth.mode = "keys"`` each API key (the SUBMIT's ``owner``) may hold at
+most ``auth.key_share`` of the shard's arena (reservations plus results not
+delivered yet), of ``shards.max_pending`` and of
+``shards.max_pending_request_bytes`` (:class:`OwnerUsage`); beyond it SUBMIT
+is refused with reason KEY_QUOTA (429), so one key cannot lock out another.
 """
 
 from __future__ import annotations
@@ -64,14 +76,20 @@ from ..shm.arena import ArenaWriter, Slot
 if TYPE_CHECKING:
     from ..health import EngineProbe
 
-__all__ = ["EncoderCore", "EncoderProc", "FutureEntry"]
+__all__ = ["EncoderCore", "EncoderProc", "FutureEntry", "OwnerUsage"]
 
 log = logging.getLogger("shardserver.encoder")
 
 
 @dataclass(slots=True, eq=False)
 class FutureEntry:
-    """One future in a shard's table. Holds no request body (the engine task does, while it runs)."""
+    """One future in a shard's table.
+
+    While it waits for an engine connection, ``job`` holds what its engine call needs (the
+    request body and the decode parameters); the engine task takes it over when it starts,
+    and nothing holds the body once the engine answered. ``body_bytes`` is the body's size
+    while it is held (counted in ``EncoderCore.pending_request_bytes``).
+    """
 
     fid: str
     key: tuple[str, int] | None
@@ -87,6 +105,26 @@ class FutureEntry:
     delivered: bool = False
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
+    job: tuple | None = None      # (body, sid, n, prompt_logprobs, topk, prompt) while queued
+    body_bytes: int = 0
+    owner: str = ""               # the API key's owner tag (per-key shares, auth.key_share)
+    charged: int = 0              # arena bytes counted against the owner's share
+
+
+@dataclass(slots=True)
+class OwnerUsage:
+    """What one API key holds in a shard, checked against its share (``auth.key_share``).
+
+    Attributes:
+        pending: its futures waiting for the engine.
+        request_bytes: engine request bodies those futures hold (bytes).
+        arena_bytes: arena bytes reserved for its pending futures plus the slots of its results
+            not delivered yet (bytes; delivered results can be evicted, so they do not count).
+    """
+
+    pending: int = 0
+    request_bytes: int = 0
+    arena_bytes: int = 0
 
 
 class EncoderCore:
@@ -128,6 +166,17 @@ class EncoderCore:
         self.decode_encode_s = 0.0
         self.timers = EncoderTimers()
         self.engine_probe = engine_probe
+        # Engine calls: at most engine.pool_size run at once (one engine connection each); the
+        # other pending futures wait in ``engine_queue`` holding only their FutureEntry and job.
+        self.max_engine_calls = cfg.engine.pool_size
+        self.engine_calls = 0
+        self.engine_queue: collections.deque[FutureEntry] = collections.deque()
+        self._queue_stale = 0  # entries in engine_queue that left the pending state meanwhile
+        self.pending_request_bytes = 0  # engine request bodies held by pending futures
+        self._closed = False
+        # Per-key shares (auth.mode = "keys"; the supervisor sets key_share to 1/keys when it is 0).
+        self.key_share = cfg.auth.key_share if cfg.auth.mode == "keys" else 0.0
+        self.owners: dict[str, OwnerUsage] = {}
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float) -> None:
@@ -141,6 +190,8 @@ class EncoderCore:
         if e.fid in self.table:
             self.state_counts[e.state] -= 1
             self.state_counts[state] += 1
+        if state != FutureState.PENDING:
+            self._left_pending(e)
         e.state = state
 
     def _wake(self, e: FutureEntry) -> None:
@@ -155,7 +206,51 @@ class EncoderCore:
             self.arena.free(e.reserve)
             e.reserve = None
 
+    def _usage(self, owner: str) -> OwnerUsage | None:
+        """The usage record of ``owner`` (created on demand), or None when shares are off."""
+        if not self.key_share:
+            return None
+        u = self.owners.get(owner)
+        if u is None:
+            u = self.owners[owner] = OwnerUsage()
+        return u
+
+    def _settle(self, owner: str, u: OwnerUsage) -> None:
+        if not (u.pending or u.request_bytes or u.arena_bytes):
+            self.owners.pop(owner, None)  # the table stays as large as the keys with something held
+
+    def _charge(self, e: FutureEntry, arena_bytes: int) -> None:
+        """Count ``arena_bytes`` (instead of what was counted so far) against the future's owner."""
+        if e.charged == arena_bytes:
+            return
+        u = self._usage(e.owner)
+        if u is not None:
+            u.arena_bytes += arena_bytes - e.charged
+            self._settle(e.owner, u)
+        e.charged = arena_bytes
+
+    def _release_body(self, e: FutureEntry) -> None:
+        if e.job is not None:
+            e.job = None
+            self._queue_stale += 1  # it stays in engine_queue until it is skipped or compacted
+        if e.body_bytes:
+            self.pending_request_bytes -= e.body_bytes
+            u = self._usage(e.owner)
+            if u is not None:
+                u.request_bytes -= e.body_bytes
+                self._settle(e.owner, u)
+            e.body_bytes = 0
+
+    def _left_pending(self, e: FutureEntry) -> None:
+        """The future stopped waiting for the engine: its owner has one pending future less."""
+        u = self._usage(e.owner) if e.state == FutureState.PENDING else None
+        if u is not None:
+            u.pending -= 1
+            self._settle(e.owner, u)
+
     def _release(self, e: FutureEntry) -> None:
+        self._charge(e, 0)
+        self._release_body(e)
         self._release_reserve(e)
         for s in (e.slot, e.json_slot):
             if s is not None:
@@ -167,6 +262,7 @@ class EncoderCore:
         if self.table.pop(e.fid, None) is not None:
             self.state_counts[e.state] -= 1
             self.delivered_count -= e.delivered
+            self._left_pending(e)
         if e.key is not None and self.by_key.get(e.key) == e.fid:
             del self.by_key[e.key]
         self.eviction_queue.pop(e.fid, None)
@@ -228,6 +324,9 @@ class EncoderCore:
             return SubmitRefused(reason=RefusalReason.TOO_LARGE, message=(
                 f"the result of this request can reach {need} bytes, more than the shard's arena "
                 f"({self.arena.size} bytes, shards.arena_bytes); lower max_tokens or num_samples"))
+        refused = self._key_quota(req.owner, len(body), need) or self._pending_limit(len(body))
+        if refused is not None:
+            return refused
         # Reserve a real, contiguous slot now: the completion writes into it and gives back the
         # tail, so it can never fail for lack of (contiguous) space.
         slot = self.arena.alloc(payload)
@@ -240,16 +339,84 @@ class EncoderCore:
                 f"({self.arena.used_bytes - self.reserved_bytes} bytes of results, {self.reserved_bytes} reserved, "
                 f"{self.arena.size} in all); retry later"))
         fid = self.signer.mint_future_id(self.shard, self.cfg.shards.count, req.owner)
-        e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserve=slot)
+        e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserve=slot, owner=req.owner)
         self.reserved_bytes += slot.capacity
         self.table[fid] = e
         self.state_counts[FutureState.PENDING] += 1
         self.by_key[key] = fid
         self._set_deadline(e, self.cfg.futures.pending_ttl_s)
-        e.task = asyncio.get_running_loop().create_task(
-            self._run(e, body, req.sid, n, want_plp, topk, prompt_arr), name=f"engine-call-{fid[:16]}")
+        e.job = (body, req.sid, n, want_plp, topk, prompt_arr)
+        e.body_bytes = len(body)
+        self.pending_request_bytes += e.body_bytes
+        u = self._usage(req.owner)
+        if u is not None:
+            u.pending += 1
+            u.request_bytes += e.body_bytes
+        self._charge(e, slot.capacity)
+        self.engine_queue.append(e)
+        self._start_engine_calls()
         self.counters["submitted"] += 1
         return SubmitAccepted(request_id=fid)
+
+    def _key_quota(self, owner: str, body_bytes: int, arena_bytes: int) -> SubmitRefused | None:
+        """The refusal when the key ``owner`` would pass its share (``auth.key_share``) of this
+        shard's pending futures, pending request bytes or arena with one more request of
+        ``body_bytes`` reserving ``arena_bytes``; None when shares are off or it fits."""
+        u = self.owners.get(owner) if self.key_share else None
+        if u is None:
+            return None
+        share, sc, shard = self.key_share, self.cfg.shards, self.shard
+        max_pending = max(1, int(share * sc.max_pending))
+        if u.pending >= max_pending:
+            what = (f"this API key has {u.pending} futures waiting for the engine on shard {shard}, its share of "
+                    f"shards.max_pending (auth.key_share={share:.4g} x {sc.max_pending} = {max_pending})")
+        elif u.request_bytes and u.request_bytes + body_bytes > share * sc.max_pending_request_bytes:
+            what = (f"this API key holds {u.request_bytes} bytes of engine requests on shard {shard}; {body_bytes} "
+                    f"more would pass its share of shards.max_pending_request_bytes (auth.key_share={share:.4g} x "
+                    f"{sc.max_pending_request_bytes} = {int(share * sc.max_pending_request_bytes)})")
+        elif u.arena_bytes and u.arena_bytes + arena_bytes > share * self.arena.size:
+            what = (f"this API key holds {u.arena_bytes} bytes of shard {shard}'s arena (reservations and results "
+                    f"not retrieved yet); {arena_bytes} more would pass its share of shards.arena_bytes "
+                    f"(auth.key_share={share:.4g} x {self.arena.size} = {int(share * self.arena.size)})")
+        else:
+            return None
+        self.counters["rejected_key_quota"] += 1
+        return SubmitRefused(reason=RefusalReason.KEY_QUOTA,
+                             message=f"API key quota: {what}; retrieve its results or retry later")
+
+    def _pending_limit(self, body_bytes: int) -> SubmitRefused | None:
+        """The refusal when one more pending future of ``body_bytes`` would pass
+        ``shards.max_pending`` or ``shards.max_pending_request_bytes`` (a body larger than the
+        whole bound is let through when no other body is held, so it is never refused forever)."""
+        sc = self.cfg.shards
+        pending = self.state_counts[FutureState.PENDING]
+        if pending >= sc.max_pending:
+            self.counters["rejected_pending_limit"] += 1
+            return SubmitRefused(reason=RefusalReason.PENDING_LIMIT, message=(
+                f"shard {self.shard} holds {pending} futures waiting for the engine (shards.max_pending="
+                f"{sc.max_pending}); retry later"))
+        if self.pending_request_bytes and self.pending_request_bytes + body_bytes > sc.max_pending_request_bytes:
+            self.counters["rejected_pending_bytes"] += 1
+            return SubmitRefused(reason=RefusalReason.PENDING_BYTES, message=(
+                f"shard {self.shard} holds {self.pending_request_bytes} bytes of engine requests waiting for the "
+                f"engine; this one ({body_bytes} bytes) would pass shards.max_pending_request_bytes="
+                f"{sc.max_pending_request_bytes}; retry later"))
+        return None
+
+    def _start_engine_calls(self) -> None:
+        """Start queued engine calls while fewer than ``engine.pool_size`` run."""
+        q = self.engine_queue
+        while q and self.engine_calls < self.max_engine_calls and not self._closed:
+            e = q.popleft()
+            if e.job is None:  # left the pending state while queued (TTL, close)
+                self._queue_stale -= 1
+                continue
+            job, e.job = e.job, None
+            self.engine_calls += 1
+            e.task = asyncio.get_running_loop().create_task(self._run(e, *job), name=f"engine-call-{e.fid[:16]}")
+        if self._queue_stale > 64 and self._queue_stale * 2 > len(q):
+            self.engine_queue = collections.deque(e for e in q if e.job is not None)
+            self._queue_stale = 0
 
     async def _run(self, e: FutureEntry, body: bytes, sid: str, n: int, want_plp: bool, topk: int,
                    prompt: np.ndarray | None) -> None:
@@ -286,6 +453,7 @@ class EncoderCore:
                         return
                     continue
                 body = b""  # nothing more to send: keep no request body
+                self._release_body(e)
                 self._store(e, dc)
                 dt = time.perf_counter() - t0
                 self.decode_encode_s += dt
@@ -296,6 +464,10 @@ class EncoderCore:
         except Exception as exc:  # a bug must fail this future, not hang it
             log.exception("engine task for %s failed", e.fid)
             self._fail(e, f"internal error: {exc}", "server")
+        finally:
+            self._release_body(e)
+            self.engine_calls -= 1
+            self._start_engine_calls()
 
     def _store(self, e: FutureEntry, dc) -> None:
         size = sample_response_size(dc)
@@ -328,6 +500,7 @@ class EncoderCore:
             return
         self.arena.commit(slot, size)
         e.slot = slot
+        self._charge(e, slot.capacity)  # an undelivered result cannot be evicted: it stays on the key's share
         self._set_state(e, FutureState.DONE)
         self.counters["completed"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)
@@ -406,6 +579,7 @@ class EncoderCore:
             e.delivered = True
             self.delivered_count += 1
             self.counters["delivered"] += 1
+            self._charge(e, 0)  # delivered results can be evicted: off the key's share
         if e.state == FutureState.DONE:
             self.eviction_queue[fid] = None
             self.eviction_queue.move_to_end(fid)
@@ -451,6 +625,9 @@ class EncoderCore:
             counters=dict(self.counters),
             stages=self.stages(),
             engine=self.engine_probe.state() if self.engine_probe is not None else None,
+            pending_request_bytes=self.pending_request_bytes,
+            engine_calls=self.engine_calls,
+            engine_queued=len(self.engine_queue) - self._queue_stale,
         )
 
     async def handle(self, msg: object, blob: bytes) -> SubmitReply | PollReply | StatsReply | ErrorReply | None:
@@ -469,6 +646,7 @@ class EncoderCore:
     def close(self, why: str = "server shutting down") -> None:
         """Stop the shard's work: every pending future goes GONE with ``why`` (waiting polls answer
         410) and every engine call still running is cancelled. Results already in the arena stay."""
+        self._closed = True
         for e in list(self.table.values()):
             if e.state == FutureState.PENDING:
                 self._gone(e, why)

@@ -15,14 +15,17 @@ import asyncio
 import logging
 import math
 import signal
+import sys
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from ..api.app import create_app
 from ..api.state import FrontendContext
 from ..api.auth import KeyTable
 from ..config import Config
 from ..ids import IdSigner
+from .http_conn import ConnectionLimits, GatewayHttpProtocol, Listener, effective_max_connections
 
 __all__ = ["DrainingServer", "FrontendProc"]
 
@@ -30,20 +33,72 @@ log = logging.getLogger("shardserver.frontend")
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's Server, plus: when shutdown starts, held retrieve_future polls are answered at
-    once (408 try_again, which the SDK re-polls) instead of being cut off as 500s at the end of
-    the graceful period."""
+    """uvicorn's Server with this front-end's connection handling (:mod:`.http_conn`).
+
+    * Connections are accepted by a :class:`~.http_conn.Listener` (the cap
+      ``server.max_connections``) and served by :class:`~.http_conn.GatewayHttpProtocol`
+      (``server.header_timeout_s`` / ``server.body_timeout_s``).
+    * On SIGTERM, at once (not at uvicorn's next 0.1 s tick): stop accepting, take the
+      connections already waiting in the backlog, close this process's listening socket,
+      answer held retrieve_future polls (408 try_again, which the SDK re-polls) instead of
+      cutting them off at the end of the graceful period, and mark every connection draining:
+      each response carries ``Connection: close``, idle connections close after
+      :data:`~.http_conn.DRAIN_IDLE_S`. Requests already received are answered; uvicorn then
+      waits up to ``server.graceful_shutdown_s`` for the connections to close.
+    """
 
     def __init__(self, config: uvicorn.Config, ctx: FrontendContext) -> None:
         super().__init__(config)
         self._ctx = ctx
+        self.listener: Listener | None = None
+
+    async def startup(self, sockets=None) -> None:  # type: ignore[override]
+        """uvicorn's startup (lifespan first), with our Listener on ``sockets[0]`` instead of
+        ``loop.create_server``."""
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            sys.exit(STARTUP_FAILURE)
+        assert sockets and len(sockets) == 1, "a front-end serves the supervisor's one listening socket"
+        cfg = self._ctx.cfg.server
+        loop = asyncio.get_running_loop()
+        cap, soft = effective_max_connections(cfg.max_connections)
+        if cap < cfg.max_connections:
+            log.warning("front-end %d: server.max_connections=%d lowered to %d: the soft RLIMIT_NOFILE is %d "
+                        "(raise it, e.g. ulimit -n, or lower server.max_connections)",
+                        self._ctx.index, cfg.max_connections, cap, soft)
+        listener = self.listener = Listener(sockets[0], cap, self._ctx.index)
+        limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, self._ctx.index)
+        state, config = self.server_state, self.config
+
+        def protocol() -> GatewayHttpProtocol:
+            return GatewayHttpProtocol(config=config, server_state=state, app_state=self.lifespan.state,
+                                       _loop=loop, limits=limits, listener=listener)
+
+        listener.start(protocol)
+        self.servers = [listener]  # type: ignore[list-item]  # uvicorn's shutdown calls close() and wait_closed()
+        self.started = True
+
+    def begin_drain(self) -> None:
+        """Stop accepting and drain (see the class docstring); idempotent."""
+        if self.listener is not None:
+            taken = self.listener.drain()
+            if taken:
+                log.info("front-end %d: draining %d connections taken from the backlog", self._ctx.index, taken)
+        for proto in list(self.server_state.connections):
+            if isinstance(proto, GatewayHttpProtocol):
+                proto.begin_drain()
+        self._ctx.drain()
+
+    async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
+        self.begin_drain()  # uvicorn's tick may notice should_exit before the signal's callback runs
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig, frame) -> None:  # runs in the signal handler: only schedule work
         if sig == signal.SIGINT:
             return  # Ctrl-C reaches the whole process group: the supervisor decides (it sends SIGTERM)
         super().handle_exit(sig, frame)
         try:
-            asyncio.get_running_loop().call_soon_threadsafe(self._ctx.drain)
+            asyncio.get_running_loop().call_soon_threadsafe(self.begin_drain)
         except RuntimeError:
             pass
 
@@ -72,6 +127,7 @@ class FrontendProc:
 
         def leave() -> None:
             server.should_exit = True
+            server.begin_drain()
 
         async def main() -> None:
             t = asyncio.get_running_loop().create_task(

@@ -24,7 +24,9 @@
 6. watch the children's sentinels: a dead encoder gets a fresh arena and is
    restarted (its futures are lost and answer 410); a dead front-end is
    restarted;
-7. on SIGTERM/SIGINT: close the listening socket, stop the front-ends (graceful, bounded by
+7. on SIGTERM/SIGINT: close the supervisor's copy of the listening socket (the kernel stops
+   listening when the front-ends have closed theirs, which they do first thing, see
+   :class:`.frontend.DrainingServer`); stop the front-ends (graceful, bounded by
    ``server.graceful_shutdown_s``), then the encoders and the simulator,
    kill what is left, unlink every segment, remove the run directory.
 
@@ -33,6 +35,7 @@ Signal handlers only record the signal; the main loop does the work.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import multiprocessing as mp
@@ -199,6 +202,13 @@ class Supervisor:
         # API keys, read once here (ConfigError naming auth.keys_file if mode="keys" finds none);
         # front-ends receive only salted digests.
         self.keys = load_key_table(cfg.auth)
+        if cfg.auth.mode == "keys" and not cfg.auth.key_share:
+            # An equal share per key of every shard's arena and pending bounds (auth.key_share = 0).
+            share = 1.0 / max(1, len(self.keys))
+            self.cfg = cfg = dataclasses.replace(cfg, auth=dataclasses.replace(cfg.auth, key_share=share))
+        if cfg.auth.mode == "keys":
+            log.info("auth: each API key may hold %.3g of every shard's arena, pending futures and pending request "
+                     "bytes (auth.key_share)", cfg.auth.key_share)
         self.run_dir = ""
         self.sock: socket.socket | None = None
         self.sim_sock: socket.socket | None = None

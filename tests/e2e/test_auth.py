@@ -98,7 +98,7 @@ def test_config_show_masks_secrets_and_counts_keys(tmp_path):
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout)
     assert shown["auth"] == {"mode": "keys", "keys_file": str(f), "keys_env": "SHARDSERVER_API_KEYS",
-                             "keys_loaded": 2}
+                             "key_share": 0.0, "keys_loaded": 2}
     assert shown["server"]["id_secret"] == "***"
     assert shown["engine"]["url"] == "http://***@10.0.0.5:8000"
     assert shown["simulator"]["model_name"] == "***"

@@ -159,3 +159,61 @@ def test_engine_probe_is_a_constructor_argument(core):
     c = EncoderCore(core.cfg, 0, core.arena, core.engine, core.signer, engine_probe=probe)
     eng = c.stats().engine
     assert (eng.ok, eng.reason, eng.age_s) == (True, "engine probing disabled (engine.health_interval_s = 0)", None)
+
+
+def test_key_usage_follows_each_future_to_the_end():
+    """auth.mode = "keys": what a key holds (pending, request bytes, arena) is counted at SUBMIT,
+    moved from the reservation to the result at completion, and released at delivery, failure,
+    expiry and close; a key with nothing left has no record."""
+    import time
+
+    name = segment_name(os.getpid(), "c0ffee00", random.randrange(10**6), 0)
+    create_segment(name, 1 << 20)
+    arena = ArenaWriter(name)
+    cfg = config_from_mapping({"shards": {"count": 1, "max_pending": 8}, "auth": {"mode": "keys", "key_share": 0.5}},
+                              env={})
+    engine = SimEngine()
+    c = EncoderCore(cfg, 0, arena, engine, IdSigner(b"k", "0badcafe"))
+
+    def submit(seq: int, owner: str, max_tokens: int = 100):
+        meta, body = _meta(seq, max_tokens)
+        return c.submit(SubmitRequest(sid=meta.sid, seq=seq, owner=owner, n=1, reserve_bytes=meta.reserve_bytes),
+                        body), len(body)
+
+    async def go():
+        engine.gate = asyncio.Event()
+        r1, b1 = submit(1, "a")
+        r2, b2 = submit(2, "a")
+        u = c.owners["a"]
+        reserve = ArenaWriter.slot_bytes(8 * 100 + 64)
+        assert (u.pending, u.request_bytes, u.arena_bytes) == (2, b1 + b2, 2 * reserve)
+        for i in range(3, 5):
+            assert submit(i, "a")[0].request_id
+        refused, _ = submit(7, "a")  # a fifth pending future: over half of shards.max_pending=8
+        assert isinstance(refused, SubmitRefused) and refused.reason == RefusalReason.KEY_QUOTA
+        assert "shards.max_pending (auth.key_share=0.5 x 8 = 4)" in refused.message
+        assert submit(8, "b")[0].request_id  # another key is not affected
+        engine.gate.set()
+        await asyncio.sleep(0.1)
+        # Completed, not delivered: no longer pending, the results stay on the key's share.
+        results = [e.slot.capacity for e in c.table.values() if e.owner == "a"]
+        assert len(results) == 4 and all(e.state == "done" for e in c.table.values())
+        assert c.owners["a"].pending == 0 and c.owners["a"].request_bytes == 0
+        assert c.owners["a"].arena_bytes == sum(results) < 4 * reserve  # the results, shrunk from the reservations
+        for fid, e in list(c.table.items()):
+            if e.owner == "a":
+                c.delivered_ok(fid)
+        assert "a" not in c.owners  # delivered results can be evicted: nothing counted any more
+        assert c.owners["b"].arena_bytes > 0
+        c.sweep(time.monotonic() + cfg.futures.completed_ttl_s + 1)  # b's result expires undelivered
+        assert c.owners == {}
+        engine.gate = asyncio.Event()
+        submit(9, "c")
+        c.close()
+        assert c.owners == {}
+
+    try:
+        asyncio.run(go())
+    finally:
+        arena.close()
+        unlink_segment(name)

@@ -118,7 +118,8 @@ def test_exact_field_values_after_decoding():
         "arena_bytes": 1048576, "arena_used_bytes": 8192, "arena_reserved_bytes": 4096, "decode_encode_s": 0.25,
         "counters": {"submitted": 3, "completed": 1},
         "stages": {"pending": 2, "completed": 0, "retrieved": 1, "gone": 0},
-        "engine": {"ok": False, "reason": "engine answered GET http://e/health with HTTP 503", "age_s": 1.5}}
+        "engine": {"ok": False, "reason": "engine answered GET http://e/health with HTTP 503", "age_s": 1.5},
+        "pending_request_bytes": 0, "engine_calls": 0, "engine_queued": 0}
 
 
 def test_poll_tags_are_the_future_states():
@@ -131,7 +132,10 @@ def test_poll_tags_are_the_future_states():
 
 def test_refusals_map_to_the_http_statuses_of_before():
     assert REFUSAL_STATUS == {RefusalReason.NO_ROOM: 429, RefusalReason.TOO_LARGE: 400,
-                              RefusalReason.INVALID: 400, RefusalReason.INTERNAL: 500}
+                              RefusalReason.INVALID: 400, RefusalReason.INTERNAL: 500,
+                              # issue 11: the pending bounds (the SDK backs off and retries)
+                              RefusalReason.PENDING_LIMIT: 429, RefusalReason.PENDING_BYTES: 429,
+                              RefusalReason.KEY_QUOTA: 429}
 
 
 # -- malformed frames ------------------------------------------------------------------------------

@@ -1,0 +1,502 @@
+"""Connections of one front-end: accepting them under a cap, timing out slow clients, draining.
+
+uvicorn accepts connections inside uvloop and gives each an ``HttpToolsProtocol``; it has no
+limit on how long a client may take to send its request headers, no cap on open connections
+(``limit_concurrency`` answers 503 *after* accepting, which does not save a file descriptor),
+and at shutdown it closes idle keep-alive connections at once, so a request crossing that
+close is reset. This module replaces the two pieces involved, keeping uvicorn for everything
+else (HTTP parsing, the ASGI cycle, graceful waiting):
+
+* :class:`Listener` accepts from the supervisor's listening socket itself (``accept()`` on
+  readiness, then ``loop.connect_accepted_socket``), so it can *stop accepting* while the
+  front-end holds ``server.max_connections`` connections (lowered to what ``RLIMIT_NOFILE``
+  allows): new clients then wait in the kernel's backlog, where another front-end with room
+  takes them, instead of being accepted and closed. At the cap, a keep-alive connection idle
+  for at least :data:`EVICT_MIN_IDLE_S` is closed first to make room. ``accept()`` failing
+  for lack of file descriptors pauses accepting for :data:`ACCEPT_ERROR_PAUSE_S` and is
+  logged. At shutdown it stops accepting, takes every connection already waiting in the
+  backlog (they are answered, not reset), and closes its copy of the listening socket.
+* :class:`GatewayHttpProtocol` (a subclass of uvicorn's ``HttpToolsProtocol``) enforces
+  ``server.header_timeout_s`` (from the connection's start or the first byte of a request
+  until its headers are complete) and ``server.body_timeout_s`` (from the end of the headers
+  until the whole body arrived): a request that started is answered ``408`` with
+  ``Connection: close``, a connection that sent nothing is closed. During a drain every
+  response carries ``Connection: close`` and idle connections are closed after
+  :data:`DRAIN_IDLE_S` without a new request.
+
+Metrics (``docs/OPERATIONS.md``): ``shardserver_connections_open`` (gauge),
+``shardserver_connection_timeouts_total{phase}``, ``shardserver_connection_cap_reached_total``,
+``shardserver_connections_evicted_total``, ``shardserver_accept_errors_total{reason}``.
+Log lines about these are rate-limited (:class:`RateLimitedLog`).
+
+Relies on these attributes of uvicorn's ``HttpToolsProtocol`` (uvicorn 0.30 - 0.54): ``cycle``
+(``response_complete``, ``response_started``, ``keep_alive``, ``disconnected``,
+``message_event``), ``pipeline``, ``transport``, ``connections`` and ``server_state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import resource
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from ..api.common import TIMED_OUT_SCOPE_KEY, WAIT_WRITTEN_SCOPE_KEY
+from ..metrics import ACCEPT_ERRORS, CONNECTION_CAP_REACHED, CONNECTION_TIMEOUTS, CONNECTIONS_EVICTED, CONNECTIONS_OPEN
+
+__all__ = ["ConnectionLimits", "GatewayHttpProtocol", "Listener", "RateLimitedLog", "effective_max_connections",
+           "DRAIN_IDLE_S", "EVICT_MIN_IDLE_S", "ACCEPT_ERROR_PAUSE_S", "FD_RESERVE"]
+
+log = logging.getLogger("shardserver.frontend")
+
+# During a drain, an idle connection is closed after this many seconds without a new request
+# (a client that was about to send gets its answer, with Connection: close, instead of a reset).
+DRAIN_IDLE_S = 0.5
+# At the cap, only keep-alive connections idle at least this long are closed to make room
+# (one idle for less is likely to carry a request right now).
+EVICT_MIN_IDLE_S = 1.0
+# accept() failed for lack of file descriptors or memory: stop accepting this long.
+ACCEPT_ERROR_PAUSE_S = 0.5
+# File descriptors kept free for everything but client connections (control sockets, arenas,
+# metrics files, the logging pipe, imports).
+FD_RESERVE = 64
+# Connections taken from the backlog per readiness event (the others wait for the next one).
+ACCEPT_BATCH = 64
+_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_TIMEOUT_BODY = {
+    "headers": b"request headers not received within server.header_timeout_s\n",
+    "body": b"request body not received within server.body_timeout_s\n",
+}
+
+
+class RateLimitedLog:
+    """Logs an event at once, then at most once per ``interval_s`` with the count since the last line.
+
+    ``hit(msg, *args)`` formats ``msg % args`` and appends ``" (N times in the last T s)"``
+    when more than one event was folded into the line.
+    """
+
+    def __init__(self, logger: logging.Logger, level: int, interval_s: float = 10.0) -> None:
+        self.logger, self.level, self.interval_s = logger, level, interval_s
+        self._last = -1e18
+        self._folded = 0
+
+    def hit(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        self._folded += 1
+        if now - self._last < self.interval_s:
+            return
+        n, since = self._folded, now - self._last
+        self._folded, self._last = 0, now
+        if n > 1:
+            msg += f" ({n} times in the last {min(since, self.interval_s):.0f} s)"
+        self.logger.log(self.level, msg, *args)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Per-connection limits of one front-end, in seconds, from ``[server]``.
+
+    Attributes:
+        header_timeout_s: a request's headers must be complete this long after the connection
+            was made or the request's first byte arrived.
+        body_timeout_s: a request's body must be complete this long after its headers.
+        front_end: this front-end's index (for log lines).
+    """
+
+    header_timeout_s: float
+    body_timeout_s: float
+    front_end: int = 0
+
+
+def effective_max_connections(configured: int) -> tuple[int, int]:
+    """``(cap, soft RLIMIT_NOFILE)``: ``configured`` lowered to the soft file-descriptor limit
+    minus :data:`FD_RESERVE` (at least 16)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured, -1
+    return max(16, min(configured, soft - FD_RESERVE)), soft
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with header/body timeouts, idle tracking and a clean drain.
+
+    Args:
+        config, server_state, app_state, _loop: as for ``HttpToolsProtocol``.
+        limits: the timeouts.
+        listener: told when the connection closes and when it becomes idle or busy (the cap).
+    """
+
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None, *, limits: ConnectionLimits,
+                 listener: "Listener | None" = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._limits = limits
+        self._listener = listener
+        self._timer: asyncio.TimerHandle | None = None
+        self._phase = ""            # "headers" or "body" while a timer runs
+        self._started = False       # a byte of the current request arrived
+        self._draining = False
+        self.idle_since = 0.0       # monotonic time the connection became idle (0: busy)
+        self._lost: Exception | None | bool = False  # False while connected; else connection_lost's exc
+        self._write_event: asyncio.Event | None = None  # set on resume_writing and connection_lost
+
+    # -- timers ---------------------------------------------------------------------------------
+    def _arm(self, phase: str, seconds: float) -> None:
+        self._disarm()
+        self._phase = phase
+        self._timer = self.loop.call_later(seconds, self._on_timeout)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._phase = ""
+
+    def _on_timeout(self) -> None:
+        phase, self._timer, self._phase = self._phase, None, ""
+        if self.transport.is_closing():
+            return
+        if phase == "drain":
+            self.transport.close()  # idle through the drain's grace: nothing in flight
+            return
+        CONNECTION_TIMEOUTS.labels(phase=phase).inc()
+        if self._listener is not None:
+            self._listener.timeout_log.hit(
+                "front-end %d: closed a connection whose request %s did not arrive within server.%s_timeout_s=%g "
+                "(slow or stalled client)", self._limits.front_end, phase, "header" if phase == "headers" else "body",
+                self._limits.header_timeout_s if phase == "headers" else self._limits.body_timeout_s)
+        cycle = self.cycle
+        answer = self._started and (cycle is None or cycle.response_complete or not cycle.response_started)
+        if cycle is not None and not cycle.response_complete:
+            cycle.scope[TIMED_OUT_SCOPE_KEY] = phase  # type: ignore[literal-required]  # read_json answers 408
+            cycle.disconnected = True  # the app's receive() answers http.disconnect, its send() is a no-op
+            cycle.message_event.set()
+        if answer:
+            body = _TIMEOUT_BODY[phase]
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+    # -- connection -----------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        CONNECTIONS_OPEN.inc()
+        self._arm("headers", self._limits.header_timeout_s)  # a new connection must send a request
+        if self._listener is not None and self._listener.draining:
+            self.begin_drain()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = exc if exc is not None else True
+        if self._write_event is not None:
+            self._write_event.set()
+        self._disarm()
+        if self.idle_since and self._listener is not None:
+            self._listener.not_idle(self)
+        self.idle_since = 0.0
+        super().connection_lost(exc)
+        CONNECTIONS_OPEN.dec()
+        if self._listener is not None:
+            self._listener.released(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.idle_since:
+            self.idle_since = 0.0
+            if self._listener is not None:
+                self._listener.not_idle(self)
+        if self._phase == "drain":
+            self._disarm()
+        super().data_received(data)
+
+    # -- parser callbacks -----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._started = True
+        if self._phase != "headers" or self.cycle is not None:
+            # A new request on a kept-alive connection; a fresh connection's timer runs since its start.
+            self._arm("headers", self._limits.header_timeout_s)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.scope[WAIT_WRITTEN_SCOPE_KEY] = self.wait_written  # type: ignore[literal-required]
+        if self._draining and self.cycle is not None:
+            self.cycle.keep_alive = False  # answered with Connection: close, then closed
+        if self.parser is not None and self.cycle is not None and self.cycle.more_body:
+            self._arm("body", self._limits.body_timeout_s)
+
+    def on_message_complete(self) -> None:
+        if self._phase == "body":
+            self._disarm()
+        self._started = False
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing() or self.pipeline:
+            return
+        if self._draining:
+            self._arm("drain", DRAIN_IDLE_S)
+        self.idle_since = time.monotonic()
+        if self._listener is not None:
+            self._listener.idle(self)
+
+    # -- delivery -------------------------------------------------------------------------------
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_event is not None:
+            self._write_event.set()
+
+    async def wait_written(self, timeout: float) -> bool:
+        """Wait until every byte written so far has left this process for the kernel.
+
+        Returns True when the transport's write buffer is empty while the connection is open
+        (or was closed by us, cleanly, after the buffer was sent: a ``Connection: close``
+        answer); False when the connection broke first (the client reset or closed it: the
+        bytes still buffered never left) or ``timeout`` seconds passed.
+        The ASGI app finds it as ``scope[WAIT_WRITTEN_SCOPE_KEY]``.
+        """
+        deadline = self.loop.time() + timeout
+        while True:
+            if self._lost is not False:
+                return self._lost is True  # closed cleanly: uvloop/asyncio flush before closing
+            if self.transport.get_write_buffer_size() == 0:
+                return True
+            left = deadline - self.loop.time()
+            if left <= 0:
+                return False
+            if self._write_event is None:
+                self._write_event = asyncio.Event()
+            self._write_event.clear()
+            try:  # woken by resume_writing / connection_lost; re-checked at least every 50 ms
+                await asyncio.wait_for(self._write_event.wait(), min(left, 0.05))
+            except asyncio.TimeoutError:
+                pass
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Shutdown began: a request in progress is answered with ``Connection: close``; an idle
+        connection is closed after :data:`DRAIN_IDLE_S` unless a request arrives (answered, then
+        closed)."""
+        if self._draining or self.transport is None or self.transport.is_closing():
+            return
+        self._draining = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+        elif not self._started and self._phase != "body":
+            self._arm("drain", DRAIN_IDLE_S)
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful-shutdown hook: see :meth:`begin_drain` (uvicorn itself closes idle
+        connections at once, resetting requests that cross the close)."""
+        self.begin_drain()
+
+    def evict(self) -> None:
+        """Close this idle keep-alive connection to make room under the cap."""
+        self._disarm()
+        CONNECTIONS_EVICTED.inc()
+        self.transport.close()
+
+
+ProtocolFactory = Callable[[], GatewayHttpProtocol]
+
+
+class Listener:
+    """Accepts connections from a listening socket shared with other processes, up to a cap.
+
+    Stands in for the ``asyncio.Server`` uvicorn would create (``close()`` and
+    ``wait_closed()`` are what uvicorn's shutdown calls).
+
+    Args:
+        sock: the listening socket (this process's copy).
+        max_connections: open connections at which accepting stops (see
+            :func:`effective_max_connections`).
+        front_end: this front-end's index, for log lines.
+    """
+
+    def __init__(self, sock: socket.socket, max_connections: int, front_end: int = 0) -> None:
+        self.sock = sock
+        self.max_connections = max_connections
+        self.front_end = front_end
+        self.loop = asyncio.get_running_loop()
+        self.factory: ProtocolFactory | None = None
+        self.open = 0               # accepted and not yet lost
+        self.draining = False
+        self._reading = False
+        self._resume: asyncio.TimerHandle | None = None
+        self._error_pause = False   # accept() ran out of file descriptors: wait for _resume
+        self._idle: OrderedDict[GatewayHttpProtocol, None] = OrderedDict()  # oldest idle first
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = asyncio.Event()
+        self.cap_log = RateLimitedLog(log, logging.WARNING)
+        self.error_log = RateLimitedLog(log, logging.ERROR)
+        self.timeout_log = RateLimitedLog(log, logging.WARNING)
+
+    def start(self, factory: ProtocolFactory) -> None:
+        self.factory = factory
+        self.sock.setblocking(False)
+        self._start_reading()
+
+    # -- accepting ------------------------------------------------------------------------------
+    def _start_reading(self) -> None:
+        if not self._reading and not self.draining and self.sock.fileno() >= 0:
+            self.loop.add_reader(self.sock.fileno(), self._on_readable)
+            self._reading = True
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self.loop.remove_reader(self.sock.fileno())
+            self._reading = False
+
+    def _on_readable(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            victim = None
+            if self.open >= self.max_connections:
+                victim = self._evictable()
+                if victim is None:
+                    return
+            conn = self._accept_one()
+            if conn is None:
+                return
+            if victim is not None:  # only now: a client is really waiting for the room
+                self._evict(victim)
+            self._attach(conn)
+
+    def _accept_one(self) -> socket.socket | None:
+        """One connection from the backlog; None when it is empty or accepting must pause."""
+        while True:
+            try:
+                conn, _addr = self.sock.accept()
+                return conn
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError as exc:
+                reason = errno.errorcode.get(exc.errno or 0, "other")
+                ACCEPT_ERRORS.labels(reason=reason).inc()
+                if exc.errno not in _FD_ERRNOS:
+                    continue  # ECONNABORTED and the like: that client is gone, take the next
+                soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+                self.error_log.hit("front-end %d: cannot accept connections: %s (%d open, RLIMIT_NOFILE soft limit "
+                                   "%d): pausing accepts for %.1f s", self.front_end, exc.strerror or exc, self.open,
+                                   soft, ACCEPT_ERROR_PAUSE_S)
+                self._stop_reading()
+                self._error_pause = True
+                self._schedule_resume(ACCEPT_ERROR_PAUSE_S)
+                return None
+
+    def _attach(self, conn: socket.socket) -> None:
+        assert self.factory is not None
+        self.open += 1
+        conn.setblocking(False)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        t = self.loop.create_task(self._connect(conn))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _connect(self, conn: socket.socket) -> None:
+        assert self.factory is not None
+        try:
+            await self.loop.connect_accepted_socket(self.factory, conn)  # type: ignore[arg-type]
+        except (OSError, RuntimeError) as exc:  # the client left at once; no protocol was made
+            log.debug("front-end %d: dropping a connection that failed at start: %s", self.front_end, exc)
+            conn.close()
+            self.open -= 1
+
+    def _evictable(self) -> GatewayHttpProtocol | None:
+        """At the cap: the longest-idle keep-alive connection if it idled at least
+        :data:`EVICT_MIN_IDLE_S`; else None, and accepting stops until a connection closes (or
+        the longest-idle one has idled long enough)."""
+        for proto in self._idle:
+            idle_s = time.monotonic() - proto.idle_since
+            if idle_s >= EVICT_MIN_IDLE_S:
+                return proto
+            self._pause_at_cap(EVICT_MIN_IDLE_S - idle_s)
+            return None
+        self._pause_at_cap(None)
+        return None
+
+    def _evict(self, proto: GatewayHttpProtocol) -> None:
+        self._idle.pop(proto, None)
+        proto._listener = None  # its connection_lost no longer reports here: the slot is free now
+        proto.idle_since = 0.0
+        self.open -= 1
+        proto.evict()
+
+    def _pause_at_cap(self, recheck_s: float | None) -> None:
+        if self._reading:
+            CONNECTION_CAP_REACHED.inc()
+            self.cap_log.hit("front-end %d: %d open connections = server.max_connections: not accepting new ones "
+                             "until one closes (they wait in the listen backlog)", self.front_end, self.open)
+        self._stop_reading()
+        if recheck_s is not None:
+            self._schedule_resume(recheck_s)
+
+    def _schedule_resume(self, delay: float) -> None:
+        if self._resume is None:
+            self._resume = self.loop.call_later(delay, self._resume_now)
+
+    def _resume_now(self) -> None:
+        self._resume = None
+        self._error_pause = False
+        self._start_reading()
+        if self._reading:
+            self._on_readable()  # level-triggered anyway; take what waits now
+
+    # -- bookkeeping from the protocols ---------------------------------------------------------
+    def idle(self, proto: GatewayHttpProtocol) -> None:
+        self._idle[proto] = None
+        self._idle.move_to_end(proto)
+
+    def not_idle(self, proto: GatewayHttpProtocol) -> None:
+        self._idle.pop(proto, None)
+
+    def released(self, proto: GatewayHttpProtocol) -> None:
+        self._idle.pop(proto, None)
+        self.open -= 1
+        if self.open < self.max_connections and not self._error_pause and not self._reading:
+            if self._resume is not None:  # a re-check at the cap is due: a slot is free now
+                self._resume.cancel()
+                self._resume = None
+            self._start_reading()
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def drain(self) -> int:
+        """Stop accepting, take every connection already waiting in the backlog (bounded; they are
+        answered, not reset) and close this process's copy of the listening socket. Idempotent.
+        Returns how many connections were taken from the backlog."""
+        self.draining = True
+        self._stop_reading()
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        taken = 0
+        if self.sock.fileno() >= 0:
+            for _ in range(4 * ACCEPT_BATCH):
+                try:
+                    conn, _addr = self.sock.accept()
+                except OSError:
+                    break
+                self._attach(conn)  # its protocol starts draining in connection_made
+                taken += 1
+            self.sock.close()
+        self._closed.set()
+        return taken
+
+    def close(self) -> None:
+        """uvicorn's ``server.close()``: :meth:`drain` (a no-op when it already ran)."""
+        self.drain()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()

@@ -1,0 +1,198 @@
+"""Slow clients and the connection cap (issue 11, item 6, the front-end side).
+
+* 50 connections sending their request headers at 5 bytes/s are answered 408 and closed within
+  ``server.header_timeout_s`` + slack, while a normal client keeps being served; one log line.
+* A body that stalls is answered 408 within ``server.body_timeout_s`` + slack, with no traceback.
+* At ``server.max_connections`` the front-end stops accepting: a new client waits until a slot
+  frees (here: silent connections closed by the header timeout); a keep-alive connection idle for
+  a second is closed to make room at once. One log line, counted in ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import pytest
+
+from frontend_raw_http import RawConnection
+from shardserver.testing import RunningServer, http_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
+SLACK_S = 1.5
+SLOW = 50
+CAP = 16
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` in ``GET /metrics`` whose labels include ``labels``."""
+    st, _, body = http_json(url + "/metrics")
+    assert st == 200
+    total = 0.0
+    for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", body.decode(), re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if m.group(1) == name and all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    env = {"SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(4 << 20),
+           "SHARDSERVER_SERVER__HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+           "SHARDSERVER_SERVER__BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+           "SHARDSERVER_SERVER__MAX_CONNECTIONS": str(CAP)}
+    with RunningServer(env=env) as s:
+        yield s
+    assert s.proc.returncode == 0
+    assert not any("Exception in ASGI application" in line or "Traceback" in line for line in s.log_lines), \
+        "\n".join(s.log_lines[-30:])
+
+
+async def _slow_header_client(port: int, start: float) -> tuple[float, bytes]:
+    """Send a request's headers at 5 bytes/s until the server closes; (seconds until closed, what it sent)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = b"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + b"X-Pad: " + b"a" * 200
+    got = b""
+    try:
+        for i in range(len(head)):
+            if reader.at_eof():
+                break
+            writer.write(head[i:i + 1])
+            try:
+                got += await asyncio.wait_for(reader.read(4096), 0.2)
+                if got == b"" or reader.at_eof():
+                    break
+            except asyncio.TimeoutError:
+                pass
+        got += await asyncio.wait_for(reader.read(), 5)
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    closed = time.monotonic() - start
+    writer.close()
+    return closed, got
+
+
+async def _normal_client(port: int, until: asyncio.Event) -> list[tuple[int, float]]:
+    """GET /healthz every 0.1 s on one keep-alive connection (reconnecting if closed): (status, seconds)."""
+    out = []
+    conn = RawConnection("127.0.0.1", port)
+    await conn.connect()
+    while not until.is_set():
+        if not conn.usable or await conn.closed_by_peer():
+            conn = RawConnection("127.0.0.1", port)
+            await conn.connect()
+        t0 = time.monotonic()
+        r = await conn.request("GET", "/healthz", timeout=10)
+        out.append((r.status, time.monotonic() - t0))
+        await asyncio.sleep(0.1)
+    conn.close()
+    return out
+
+
+def test_slow_headers_are_cut_at_the_header_timeout_while_others_are_served(gateway):
+    before = _metric(gateway.url, "shardserver_connection_timeouts_total", phase="headers")
+
+    async def run():
+        done = asyncio.Event()
+        normal = asyncio.create_task(_normal_client(gateway.port, done))
+        # 50 slow clients would exceed the cap of 16: start them in groups the cap leaves room for.
+        results = []
+        for group in range(0, SLOW, CAP - 2):
+            n = min(CAP - 2, SLOW - group)
+            t0 = time.monotonic()
+            results += await asyncio.gather(*(_slow_header_client(gateway.port, t0) for _ in range(n)))
+        done.set()
+        return results, await normal
+
+    slow, normal = asyncio.run(run())
+    assert len(slow) == SLOW
+    for closed_after, got in slow:
+        assert HEADER_TIMEOUT_S - 0.1 <= closed_after <= HEADER_TIMEOUT_S + SLACK_S, slow
+        assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), got
+        assert b"connection: close" in got and got.endswith(b"not received within server.header_timeout_s\n")
+    assert len(normal) >= 10 and all(st == 200 for st, _ in normal), normal
+    assert max(dt for _, dt in normal) < HEADER_TIMEOUT_S, normal  # never queued behind the slow ones
+    assert _metric(gateway.url, "shardserver_connection_timeouts_total", phase="headers") - before == SLOW
+    lines = [ln for ln in gateway.log_lines if "server.header_timeout_s" in ln]
+    assert len(lines) == 1 and "WARNING" in lines[0], lines  # rate-limited: one line for the burst
+
+
+def test_stalled_body_is_answered_408_at_the_body_timeout(gateway):
+    async def run():
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+        writer.write(b"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"events\": [")
+        t0 = time.monotonic()
+        got = await asyncio.wait_for(reader.read(), 10)
+        dt = time.monotonic() - t0
+        writer.close()
+        return dt, got
+
+    dt, got = asyncio.run(run())
+    assert BODY_TIMEOUT_S - 0.1 <= dt <= BODY_TIMEOUT_S + SLACK_S
+    assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n") and got.endswith(b"server.body_timeout_s\n"), got
+    time.sleep(0.3)
+    assert _metric(gateway.url, "shardserver_connection_timeouts_total", phase="body") == 1
+    assert _metric(gateway.url, "shardserver_http_requests_total", endpoint="telemetry", code="408") == 1
+
+
+def test_at_the_connection_cap_new_clients_wait_for_a_free_slot(gateway):
+    async def run():
+        # CAP silent connections fill the front-end; they send nothing (closed at the header timeout).
+        silent = [await asyncio.open_connection("127.0.0.1", gateway.port) for _ in range(CAP)]
+        t_full = time.monotonic()
+        await asyncio.sleep(0.1)
+        conn = RawConnection("127.0.0.1", gateway.port)
+        await conn.connect()  # completes in the kernel's backlog
+        r = await conn.request("GET", "/healthz", timeout=10)
+        waited = time.monotonic() - t_full
+        conn.close()
+        for _, w in silent:
+            w.close()
+        return r.status, waited
+
+    status, waited = asyncio.run(run())
+    assert status == 200
+    # Not accepted until the header timeout closed the silent connections.
+    assert HEADER_TIMEOUT_S - 0.1 <= waited <= HEADER_TIMEOUT_S + SLACK_S, waited
+    time.sleep(0.3)
+    assert _metric(gateway.url, "shardserver_connection_cap_reached_total") >= 1
+    lines = [ln for ln in gateway.log_lines if "server.max_connections" in ln]
+    assert len(lines) == 1 and re.search(rf"front-end 0: {CAP} open connections = server.max_connections", lines[0])
+
+
+def test_at_the_cap_an_idle_keep_alive_connection_makes_room(gateway):
+    before = _metric(gateway.url, "shardserver_connections_evicted_total")
+
+    async def run():
+        idle = []
+        for _ in range(CAP):
+            c = RawConnection("127.0.0.1", gateway.port)
+            await c.connect()
+            assert (await c.request("GET", "/healthz")).status == 200
+            idle.append(c)
+        await asyncio.sleep(1.2)  # idle longer than EVICT_MIN_IDLE_S
+        t0 = time.monotonic()
+        conn = RawConnection("127.0.0.1", gateway.port)
+        await conn.connect()
+        r = await conn.request("GET", "/healthz", timeout=10)
+        waited = time.monotonic() - t0
+        await asyncio.sleep(0.1)
+        closed = [await c.closed_by_peer() for c in idle]
+        conn.close()
+        for c in idle:
+            c.close()
+        return r.status, waited, closed
+
+    status, waited, closed = asyncio.run(run())
+    assert status == 200 and waited < 0.5, waited
+    assert closed == [True] + [False] * (CAP - 1)  # the longest-idle one, only
+    time.sleep(0.3)
+    assert _metric(gateway.url, "shardserver_connections_evicted_total") - before == 1

@@ -1,0 +1,144 @@
+"""One API key cannot lock out the others (issue 11, item 5). ``auth.mode = "keys"`` with three
+keys, so each may hold a third (``auth.key_share`` = 0: an equal share) of the shard's arena and
+pending bounds:
+
+* key A sends ``num_samples=64`` requests to an engine that does not answer them: refused 429
+  once its reservations reach a third of the arena, then refused once its pending futures reach
+  a third of ``shards.max_pending``; each refusal names the quota;
+* key C fills its third of the arena with results it never retrieves: refused 429 (quota);
+* key B's 16-token requests are all accepted meanwhile, and their results retrieved.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from conftest import BASE_MODEL, engine_body, expected_sequences
+from shardserver.testing import RunningServer, http_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+KEY_A = "tml-key-share-test-aaaaaaaaaaaaaaaa"
+KEY_B = "tml-key-share-test-bbbbbbbbbbbbbbbb"
+KEY_C = "tml-key-share-test-cccccccccccccccc"
+ARENA = 4 << 20
+MAX_PENDING = 60
+HUNG = 9100  # prompts starting with this token stall in the simulator for the whole test
+CONFIG = f"""
+[shards]
+count = 1
+arena_bytes = {ARENA}
+max_pending = {MAX_PENDING}
+[server]
+front_ends = 1
+[auth]
+mode = "keys"
+[simulator]
+model_name = "{BASE_MODEL}"
+[[simulator.faults]]
+kind = "stall"
+stall_s = 90.0
+first_token_id = {HUNG}
+"""
+
+
+class KeyApi:
+    """The SDK's wire calls by hand, with one API key."""
+
+    def __init__(self, url: str, key: str) -> None:
+        self.url, self.key = url, key
+
+    def post(self, path: str, body) -> tuple[int, dict, dict]:
+        st, h, b = http_json(self.url + path, body, headers={"X-API-Key": self.key,
+                                                              "Accept": "application/x-protobuf"})
+        return st, h, (json.loads(b) if h.get("content-type", "").startswith("application/json") else b)
+
+    def sampling_session(self) -> str:
+        st, _, b = self.post("/api/v1/create_session", {"tags": [], "user_metadata": {}})
+        assert st == 200, b
+        st, _, b = self.post("/api/v1/create_sampling_session", {"session_id": b["session_id"],
+                                                                 "base_model": BASE_MODEL})
+        assert st == 200, b
+        return b["sampling_session_id"]
+
+    def asample(self, ssid: str, seq: int, tokens: list[int], n: int, max_tokens: int):
+        return self.post("/api/v1/asample", {
+            "sampling_session_id": ssid, "seq_id": seq, "num_samples": n, "prompt": {"chunks": [{"tokens": tokens}]},
+            "sampling_params": {"max_tokens": max_tokens, "seed": 3}})
+
+
+def _until_refused(submit, limit: int) -> tuple[list[dict], tuple[int, dict, dict]]:
+    """Call ``submit(i)`` until it is not 200 (at most ``limit`` times): (accepted bodies, the
+    refusal, or ``(200, {}, {})`` when none came)."""
+    ok = []
+    for i in range(limit):
+        st, h, b = submit(i)
+        if st != 200:
+            return ok, (st, h, b)
+        ok.append(b)
+    return ok, (200, {}, {})
+
+
+def test_a_key_over_its_share_does_not_lock_out_another(tmp_path):
+    cfg = tmp_path / "keys.toml"
+    cfg.write_text(CONFIG)
+    env = {"SHARDSERVER_API_KEYS": ",".join((KEY_A, KEY_B, KEY_C))}
+    with RunningServer(cfg, env=env) as s:
+        a, b, c = KeyApi(s.url, KEY_A), KeyApi(s.url, KEY_B), KeyApi(s.url, KEY_C)
+        sa, sb, sc = a.sampling_session(), b.sampling_session(), c.sampling_session()
+        third = int(ARENA / 3)
+
+        # A: 64-sample requests that the engine never finishes (207 KB reservations each), then
+        # small ones; C: results it never retrieves (32 KB each).
+        a_big, a_big_refusal = _until_refused(lambda i: a.asample(sa, i, [HUNG, i], 64, 400), 40)
+        a_small, a_small_refusal = _until_refused(lambda i: a.asample(sa, 100 + i, [HUNG, i], 1, 4), 40)
+        held, c_refusal = _until_refused(lambda i: c.asample(sc, i, [7, i], 1, 4000), 140)
+
+        # B, under its share: never refused because A and C are over theirs.
+        rids = []
+        for i in range(10):
+            st, _, body = b.asample(sb, i, [11, 12, i], 1, 16)
+            assert st == 200, body
+            rids.append(body["request_id"])
+        from tinker.proto import tinker_public_pb2
+
+        for i, rid in enumerate(rids):
+            st, h, body = b.post("/api/v1/retrieve_future", {"request_id": rid})
+            assert st == 200 and h["content-type"] == "application/x-protobuf", body
+            m = tinker_public_pb2.SampleResponse()
+            m.ParseFromString(body)
+            want = expected_sequences(engine_body([11, 12, i], 1, 16, 3))[0]
+            assert np.frombuffer(m.sequences[0].tokens, dtype="<i4").tolist() == want["tokens"]
+
+        # A was refused at a third of the arena, then at a third of shards.max_pending.
+        st, h, err = a_big_refusal
+        assert len(a_big) == third // 206912 and st == 429 and h["retry-after"] == "1", (len(a_big), st, err)
+        assert err["error"] == (
+            f"API key quota: this API key holds {len(a_big) * 206912} bytes of shard 0's arena (reservations and "
+            f"results not retrieved yet); 206912 more would pass its share of shards.arena_bytes "
+            f"(auth.key_share=0.3333 x {ARENA} = {third}); retrieve its results or retry later")
+        st, _, err = a_small_refusal
+        assert len(a_big) + len(a_small) == MAX_PENDING // 3 and st == 429
+        assert err["error"] == ("API key quota: this API key has 20 futures waiting for the engine on shard 0, its "
+                                "share of shards.max_pending (auth.key_share=0.3333 x 60 = 20); retrieve its "
+                                "results or retry later")
+        # C was refused at a third of the arena.
+        st, _, err = c_refusal
+        assert st == 429 and err["error"].startswith("API key quota: this API key holds "), err
+        assert "(reservations and results not retrieved yet)" in err["error"]
+        assert len(held) * 32128 <= third < (len(held) + 1) * 32128
+
+        # C retrieves one result: that frees room in its share, so it is accepted again.
+        st, _, _ = c.post("/api/v1/retrieve_future", {"request_id": held[0]["request_id"]})
+        assert st == 200
+        st, _, body = c.asample(sc, 1000, [7, 1000], 1, 4000)
+        assert st == 200, body
+
+        st, _, metrics = http_json(s.url + "/metrics")
+        refused = [float(v) for v in re.findall(r'^shardserver_asample_refused_total\{reason="key_quota"\} (\S+)$',
+                                                metrics.decode(), re.M)]
+        assert refused == [3.0]
