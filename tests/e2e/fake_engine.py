@@ -1,0 +1,388 @@
+"""Engines that misbehave on purpose, as real processes on 127.0.0.1, for the engine fault tests.
+
+Run as a script this module is a small HTTP/1.1 server written on raw asyncio streams, so that
+every connection-level behaviour is exact (which request on which connection, RST or FIN, how
+many body bytes before the close). Its 200 bodies are the engine simulator's
+(:func:`shardserver.engine_sim.render_completion`), so results can be checked token for token
+against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
+``POST /_fake/config``):
+
+* ``delay_s``: wait this long before answering each completion.
+* ``reset_reused``: answer one completion per connection (keep-alive); when the next request
+  arrives on that connection, read it and reset the connection (RST, no response byte).
+* ``idle_close_s``: close (FIN) a keep-alive connection idle this long (uvicorn: 5 s).
+* ``drop_before_response``: the next N completions are read, then the connection is closed
+  without a response byte; ``drop_how`` = ``"close"`` (FIN) or ``"reset"`` (RST).
+* ``truncate``: the next N completions get the headers (full Content-Length) and half the body,
+  then a FIN.
+* ``status`` (+ ``status_body`` = ``vllm`` | ``router`` | ``empty``): answer completions with this
+  HTTP status, for ``status_for_s`` seconds from the first request it answers so (0: until
+  changed).
+* ``abort``: the next N completions end with ``finish_reason: "abort"`` (a partial sample).
+* ``model``, ``max_model_len``: what ``GET /v1/models`` reports and what the bodies are
+  rendered with (prompt + max_tokens over the window: vLLM's 400).
+
+``GET /_fake/log`` returns one entry per completion request: ``conn`` (connection number),
+``nth`` (request number on that connection), ``request_id`` (``X-Request-Id``), ``action``
+(``ok``, ``reset``, ``drop``, ``truncate``, ``status``, ``abort``, ``error``), ``t`` (monotonic
+seconds) and ``request`` (the parsed JSON body). ``GET /health`` answers 200.
+
+:class:`FakeEngine` runs this script; :class:`SimEngineProcess` runs ``shardserver engine-sim``
+standalone. Both can be SIGKILLed and started again on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+DEFAULTS: dict[str, Any] = {
+    "delay_s": 0.0, "reset_reused": False, "idle_close_s": 0.0, "drop_before_response": 0, "drop_how": "close",
+    "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
+    "model": "Qwen/Qwen3-8B", "max_model_len": 65536,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The server (runs in its own process: python tests/e2e/fake_engine.py --port P --config JSON)
+# ---------------------------------------------------------------------------------------------
+class _Server:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.cfg = dict(DEFAULTS)
+        self.set_config(config)
+        self.log: list[dict[str, Any]] = []
+        self.conns = 0
+
+    def set_config(self, patch: dict[str, Any]) -> None:
+        unknown = set(patch) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown fake-engine settings: {sorted(unknown)}")
+        self.cfg.update(patch)
+        self.status_since: float | None = None
+
+    def _status_now(self) -> int | None:
+        st = self.cfg["status"]
+        if st is None:
+            return None
+        now = time.monotonic()
+        if self.status_since is None:
+            self.status_since = now  # the window starts at the first request it answers
+        if self.cfg["status_for_s"] and now - self.status_since > self.cfg["status_for_s"]:
+            return None
+        return int(st)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.conns += 1
+        conn = self.conns
+        nth = 0
+        try:
+            while True:
+                idle = self.cfg["idle_close_s"] or None
+                try:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), idle)
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                    return
+                except asyncio.TimeoutError:
+                    return  # idle keep-alive connection: close it (FIN)
+                nth += 1
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                hdrs = {}
+                for ln in lines[1:]:
+                    if ":" in ln:
+                        k, v = ln.split(":", 1)
+                        hdrs[k.strip().lower()] = v.strip()
+                body = await reader.readexactly(int(hdrs.get("content-length", "0") or 0))
+                if path == "/v1/completions" and method == "POST":
+                    keep = await self.completion(conn, nth, hdrs, body, writer)
+                else:
+                    keep = await self.other(method, path, body, writer)
+                if not keep:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            if not writer.is_closing():
+                writer.close()
+
+    @staticmethod
+    async def send(writer: asyncio.StreamWriter, status: int, body: bytes, ctype: str = "application/json") -> None:
+        phrase = {200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 429: "Too Many Requests",
+                  500: "Internal Server Error", 503: "Service Unavailable"}.get(status, "Status")
+        head = f"HTTP/1.1 {status} {phrase}\r\ncontent-length: {len(body)}\r\n"
+        if body:
+            head += f"content-type: {ctype}\r\n"
+        writer.write(head.encode() + b"\r\n" + body)
+        await writer.drain()
+
+    @staticmethod
+    def reset(writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    async def completion(self, conn: int, nth: int, hdrs: dict[str, str], raw: bytes,
+                         writer: asyncio.StreamWriter) -> bool:
+        from shardserver.engine_sim import FaultRule, SimConfig, SimRequestError, render_completion
+
+        cfg = self.cfg
+        try:
+            req = json.loads(raw)
+        except ValueError:
+            req = None
+        entry = {"conn": conn, "nth": nth, "request_id": hdrs.get("x-request-id"), "t": time.monotonic(),
+                 "request": req, "action": "ok"}
+        self.log.append(entry)
+        if cfg["reset_reused"] and nth > 1:
+            entry["action"] = "reset"
+            self.reset(writer)
+            return False
+        if cfg["drop_before_response"] > 0:
+            cfg["drop_before_response"] -= 1
+            entry["action"] = "drop"
+            if cfg["drop_how"] == "reset":
+                self.reset(writer)
+            else:
+                writer.close()
+            return False
+        status = self._status_now()
+        if status is not None:
+            entry["action"] = "status"
+            kind = cfg["status_body"]
+            if kind == "empty":
+                await self.send(writer, status, b"")
+            elif kind == "router":
+                await self.send(writer, status, b"No available workers (all circuits open or unhealthy)",
+                                "text/plain; charset=utf-8")
+            else:
+                msg = "The engine is currently busy and cannot accept new requests."
+                await self.send(writer, status, json.dumps(
+                    {"error": {"message": msg, "type": "Service Unavailable", "param": None, "code": status}},
+                    separators=(",", ":")).encode())
+            return True
+        if cfg["delay_s"]:
+            await asyncio.sleep(cfg["delay_s"])
+        sim = SimConfig.from_mapping({"model_name": cfg["model"], "max_model_len": cfg["max_model_len"]})
+        override = None
+        if cfg["abort"] > 0:
+            cfg["abort"] -= 1
+            entry["action"] = "abort"
+            override = FaultRule(kind="finish_reason", finish_reason="abort")
+        rid = hdrs.get("x-request-id")
+        try:
+            body = render_completion(req or {}, sim, request_id=("cmpl-" + rid) if rid else None,
+                                     finish_override=override)
+        except SimRequestError as err:
+            entry["action"] = "error"
+            await self.send(writer, err.status, err.body)
+            return True
+        if cfg["truncate"] > 0:
+            cfg["truncate"] -= 1
+            entry["action"] = "truncate"
+            head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + body[: len(body) // 2])
+            await writer.drain()
+            writer.close()
+            return False
+        await self.send(writer, 200, body)
+        return True
+
+    async def other(self, method: str, path: str, raw: bytes, writer: asyncio.StreamWriter) -> bool:
+        if path == "/health":
+            await self.send(writer, 200, b"")
+        elif path == "/v1/models":
+            m = self.cfg["model"]
+            await self.send(writer, 200, json.dumps({"object": "list", "data": [{
+                "id": m, "object": "model", "created": 1700000000, "owned_by": "vllm", "root": m, "parent": None,
+                "max_model_len": self.cfg["max_model_len"], "permission": []}]}, separators=(",", ":")).encode())
+        elif path == "/_fake/config" and method == "POST":
+            try:
+                self.set_config(json.loads(raw or b"{}"))
+            except ValueError as exc:
+                await self.send(writer, 400, json.dumps({"error": str(exc)}).encode())
+                return True
+            await self.send(writer, 200, json.dumps(self.cfg).encode())
+        elif path == "/_fake/log":
+            await self.send(writer, 200, json.dumps(self.log).encode())
+        else:
+            await self.send(writer, 404, b'{"detail":"Not Found"}')
+        return True
+
+
+async def _serve(port: int, config: dict[str, Any]) -> None:
+    from shardserver.engine_sim import SimConfig, render_completion
+
+    srv = _Server(config)
+    # Build the simulator's token pool now (seconds on a loaded machine), not in the first request.
+    render_completion({"prompt": [1], "max_tokens": 1}, SimConfig.from_mapping(
+        {"model_name": srv.cfg["model"], "max_model_len": srv.cfg["max_model_len"]}))
+    server = await asyncio.start_server(srv.handle, "127.0.0.1", port, reuse_address=True, backlog=1024)
+    actual = server.sockets[0].getsockname()[1]
+    print(f"fake-engine listening on http://127.0.0.1:{actual}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Test-side handles
+# ---------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _EngineProcess:
+    """A child process that prints ``... listening on http://127.0.0.1:PORT`` once it serves."""
+
+    ready_mark = "listening on http://127.0.0.1:"
+
+    def __init__(self, port: int = 0) -> None:
+        self.port = port
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "_EngineProcess":
+        """Start (again) on ``self.port`` (0 the first time: pick one); wait until it serves."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=str(REPO), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        ready = threading.Event()
+        proc = self.proc
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+                if self.ready_mark in line and not ready.is_set():
+                    self.port = int(line.rsplit(":", 1)[1].strip().rstrip("/"))
+                    ready.set()
+
+        threading.Thread(target=pump, daemon=True, name="engine-log-pump").start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.05):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("engine did not start:\n" + "\n".join(self.lines[-30:]))
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL (no goodbye on its connections beyond what the kernel does) and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> "_EngineProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _http(self, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST" if data is not None else "GET",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+
+class FakeEngine(_EngineProcess):
+    """This module run as a script; ``config`` keys are listed in the module docstring."""
+
+    def __init__(self, port: int = 0, **config: Any) -> None:
+        super().__init__(port)
+        unknown = set(config) - set(DEFAULTS)
+        assert not unknown, f"unknown fake-engine settings: {sorted(unknown)}"
+        self.config = config
+
+    def command(self) -> list[str]:
+        return [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port),
+                "--config", json.dumps(self.config)]
+
+    def configure(self, **changes: Any) -> dict[str, Any]:
+        """Change the behaviour of the running engine (and of later restarts)."""
+        self.config.update(changes)
+        return self._http("/_fake/config", changes)
+
+    def log(self) -> list[dict[str, Any]]:
+        """One entry per completion request received (see the module docstring)."""
+        return self._http("/_fake/log")
+
+
+class SimEngineProcess(_EngineProcess):
+    """``shardserver engine-sim`` standalone, with ``[simulator]`` settings ``sim``."""
+
+    def __init__(self, port: int = 0, sim: dict[str, Any] | None = None) -> None:
+        super().__init__(port)
+        self.sim = {"model_name": "Qwen/Qwen3-8B", **(sim or {})}
+        fd, self.config_path = tempfile.mkstemp(prefix="engine-sim-", suffix=".toml")
+        with os.fdopen(fd, "w") as f:
+            f.write("[simulator]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in self.sim.items()))
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "shardserver.cli", "engine-sim", "--host", "127.0.0.1",
+                "--port", str(self.port), "--config", self.config_path]
+
+    def stop(self) -> None:
+        super().stop()
+        try:
+            os.unlink(self.config_path)
+        except FileNotFoundError:
+            pass
+
+    def stats(self) -> dict[str, Any]:
+        return self._http("/_sim/stats")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    sys.path.insert(0, str(REPO))
+    ap = argparse.ArgumentParser(description="a misbehaving vLLM /v1/completions for fault tests")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--config", default="{}")
+    a = ap.parse_args()
+    try:
+        asyncio.run(_serve(a.port, json.loads(a.config)))
+    except KeyboardInterrupt:
+        pass
