@@ -131,12 +131,24 @@ class EngineConfig:
     url: str = ""
     # Model name sent to the engine; empty means the sampling session's base_model.
     model: str = ""
+    # One engine request, from the moment it has a connection slot (waiting for one not included).
     timeout_s: float = 900.0
     connect_timeout_s: float = 5.0
+    # Connections to the engine per encoder.
     pool_size: int = 512
-    # Connection errors before the request reached the engine are retried this often.
-    connect_retries: int = 2
-    # A 5xx may come from a request that already ran; retrying it is opt-in.
+    # Longest wait for one of the pool_size connections; then the future answers 410 (the request
+    # never reached the engine) and the SDK resubmits it.
+    pool_wait_s: float = 1800.0
+    # Idle pooled connections are dropped after this; keep it below the engine's keep-alive
+    # (vLLM/uvicorn close idle connections after 5 s), so an idle connection is never reused as
+    # the engine closes it.
+    pool_idle_s: float = 4.0
+    # Requests the engine did not finish (refused, reset or closed connection, truncated body,
+    # HTTP 408/429/503) are re-forwarded with backoff while the engine has been unavailable for
+    # less than this; then they fail (category server). Long enough for vLLM to reload a model.
+    unavailable_budget_s: float = 300.0
+    # A 5xx may come from a request that already ran; re-forwarding it (within
+    # unavailable_budget_s) is opt-in.
     retry_5xx: bool = False
     # ``finish_reason: abort`` (weights being synced) is re-forwarded at most this often.
     max_abort_resubmits: int = 2
@@ -163,7 +175,10 @@ class EngineConfig:
         _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
         _check(self.pool_size, "engine.pool_size", self.pool_size >= 1, "must be >= 1")
-        _check(self.connect_retries, "engine.connect_retries", self.connect_retries >= 0, "must be >= 0")
+        _check(self.pool_wait_s, "engine.pool_wait_s", self.pool_wait_s > 0, "must be > 0")
+        _check(self.pool_idle_s, "engine.pool_idle_s", self.pool_idle_s > 0, "must be > 0")
+        _check(self.unavailable_budget_s, "engine.unavailable_budget_s", self.unavailable_budget_s > 0,
+               "must be > 0")
         _check(self.max_abort_resubmits, "engine.max_abort_resubmits", self.max_abort_resubmits >= 0, "must be >= 0")
         _check(self.max_model_len, "engine.max_model_len", self.max_model_len >= 1, "must be >= 1")
         _check(self.max_num_samples, "engine.max_num_samples", self.max_num_samples >= 1, "must be >= 1")
@@ -321,9 +336,19 @@ def _check(value: Any, key: str, ok: bool, reason: str) -> None:
         raise ConfigError(key, f"{reason} (got {value!r})")
 
 
+# Keys of earlier versions: naming one stops the server with what replaced it.
+_REMOVED_KEYS = {
+    "engine.connect_retries": "removed: requests the engine did not run are now re-forwarded with backoff "
+                              "for up to engine.unavailable_budget_s seconds",
+}
+
+
 def _build_section(name: str, data: Mapping[str, Any]) -> Any:
     """``[name]`` as its dataclass, or ConfigError naming ``name.key`` (unknown key, wrong type)."""
     cls = _SECTIONS[name]
+    for k in data:
+        if f"{name}.{k}" in _REMOVED_KEYS:
+            raise ConfigError(f"{name}.{k}", _REMOVED_KEYS[f"{name}.{k}"])
     try:
         return cls(**check_fields(cls, data))
     except FieldError as exc:
