@@ -1,41 +1,80 @@
 """The encoder's pooled aiohttp client to the engine's ``/v1/completions``.
 
-Maps every transport outcome onto :class:`shardserver.errors.EngineError` in
-this one place:
+Sampling has no side effects, so a request the engine did not finish can always be sent again.
+Every transport outcome is decided here, in one place:
 
-============================================== ========= =============================================
-outcome                                         category  what happens
-============================================== ========= =============================================
-connection refused / reset before sending       --        retried ``connect_retries`` times, then 410
-HTTP 408, 429, 503 (queue full or timed out,    --        retried ``connect_retries`` times (backoff
-admission control: the request never ran)                 0.5, 1, 2 ... 8 s), then 410
-HTTP 4xx (other)                                user      failed future
-HTTP 400 "Out of range float values" (NaN)      server    failed future (the request did run)
-HTTP 5xx (other)                                server    failed future; retried first if ``retry_5xx``
-timeout, connection broken while reading        server    failed future (the engine may have run it)
-============================================== ========= =============================================
+=============================================== ============================================ ==========
+what the engine did                              what the client does                         category
+=============================================== ============================================ ==========
+2xx                                              returns the body                             --
+closed or reset a *reused* keep-alive connection sends it again at once on a fresh connection --
+before any response byte (idle keep-alive race)  (``engine_keepalive_retries``)
+refused the connection, closed or reset it       re-forwards with backoff (0.1 s doubling to  --
+(before or during the response), truncated the   2 s, jittered) while the engine has been
+body, connect timeout                            unavailable for less than
+                                                 ``engine.unavailable_budget_s``
+                                                 (``engine_reforwards``)
+HTTP 408, 429, 503 (router queue, admission      same: re-forwarded within the budget         --
+control: the request never ran); any 5xx when
+``engine.retry_5xx``
+still unavailable after the budget               fails (``engine_budget_exhausted``)          server
+HTTP 4xx (other)                                 fails                                        user
+HTTP 400 "Out of range float values" (NaN),      fails (the engine ran it, or the path is     server
+404/405 ``{"detail": ...}`` (wrong engine path)  ours)
+HTTP 5xx (other)                                 fails                                        server
+no answer within ``engine.timeout_s`` of being   fails (the engine may be running it)         server
+sent; body over ``engine.max_body_bytes``
+no pooled connection within ``engine.pool_wait_s`` ``EngineError(retryable=True)``: the       --
+                                                 encoder answers 410, the SDK resubmits
+=============================================== ============================================ ==========
 
-"retryable" errors (``EngineError.retryable``) never reached the engine's model: the encoder
-answers the future with 410, and the SDK resubmits the sample with its own backoff, so an RL
-loop rides out an engine restart or a brief overload instead of failing a training step.
+Budget: a request gives up once it has kept failing for ``engine.unavailable_budget_s`` seconds
+since its first failure, so every sample gets the whole budget to ride out an engine restart,
+and none is re-sent forever (e.g. a body that is always cut). Apart from that, the client keeps
+the engine's outage: the time of the first failure since the last answer (any HTTP answer that
+is not a re-forwardable one ends it, and so does a successful health probe while no request is
+being re-forwarded). :meth:`EngineClient.unavailable` reports it for ``/readyz`` and the
+``shardserver_engine_unavailable_seconds`` gauge. Recovery needs nothing: the next answer ends it.
+
+Timeouts: ``engine.timeout_s`` bounds one attempt from the moment it has a connection slot
+(connecting, sending, waiting for and reading the answer); waiting for one of the
+``engine.pool_size`` slots is bounded separately by ``engine.pool_wait_s`` and is never a
+fatal error. Idle pooled connections are dropped after ``engine.pool_idle_s`` (default 4 s,
+below the 5 s after which vLLM's uvicorn closes an idle keep-alive connection).
+
+Every attempt carries its own ``X-Request-Id`` (``<future_id>-a<N>``, see :class:`AttemptIds`):
+vLLM versions and prefill/decode routers that tear down the previous attempt reject a reused
+id, and the common prefix keeps the gateway's and the engine's logs joinable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import logging
+import random
+import time
+from typing import Any, MutableMapping
 
 import aiohttp
 
 from .config import EngineConfig, engine_base_url, mask_url, mask_urls_in
 from .errors import EngineError
+from .messages import EngineOutage
 
-__all__ = ["EngineClient", "engine_error_message", "NEVER_RAN_STATUSES"]
+__all__ = ["EngineClient", "AttemptIds", "engine_error_message", "NEVER_RAN_STATUSES"]
+
+log = logging.getLogger("shardserver.engine")
 
 _NAN_MARK = "Out of range float values are not JSON compliant"
 # Statuses that mean the engine did not run the request: a router's full queue (429), its queue
 # timeout (408), vLLM admission control or a router without workers (503) (spec §8.2, §11.12).
 NEVER_RAN_STATUSES = (408, 429, 503)
+# Re-forward backoff (seconds): first wait, factor 2 per re-forward, cap; each wait is jittered to
+# 50-100 % so that the requests of one outage do not come back in lockstep.
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF_MAX_S = 2.0
 
 
 def engine_error_message(status: int, body: bytes) -> str:
@@ -61,80 +100,238 @@ def engine_error_message(status: int, body: bytes) -> str:
     return f"engine returned HTTP {status}: {msg}"
 
 
+class AttemptIds:
+    """The ``X-Request-Id`` of each engine attempt of one future: ``<future_id>-a1``, ``-a2``, ...
+
+    One instance per future, shared by every attempt (transport retries in :class:`EngineClient`
+    and ``finish_reason: abort`` re-forwards in the encoder), so no id is ever sent twice.
+    """
+
+    __slots__ = ("future_id", "count")
+
+    def __init__(self, future_id: str) -> None:
+        self.future_id = future_id
+        self.count = 0
+
+    def next(self) -> str:
+        """The id for the next attempt (``str``; counts attempts from 1)."""
+        self.count += 1
+        return f"{self.future_id}-a{self.count}"
+
+
+class _Broken(Exception):
+    """One attempt ended without a complete answer: the request can be sent again.
+
+    ``no_response``: failed before any response header arrived; ``reused``: on a pooled
+    connection that had already carried a request.
+    """
+
+    def __init__(self, message: str, *, no_response: bool, reused: bool) -> None:
+        super().__init__(message)
+        self.no_response = no_response
+        self.reused = reused
+
+
+class _TraceCtx:
+    """Per-attempt aiohttp trace context: did the attempt get a reused pooled connection?"""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
+    ctx.trace_request_ctx.reused = True
+
+
 class EngineClient:
     """Posts completion request bodies; one instance (one connection pool) per encoder.
 
     Args:
         cfg: the ``[engine]`` config (timeouts in seconds, pool size in connections).
         url: base URL of the engine (``http://host:port``), without ``/v1/completions``.
+        counters: where the retry counters go (``engine_keepalive_retries``, ``engine_reforwards``,
+            ``engine_budget_exhausted``, ``engine_pool_wait_exceeded``); the encoder passes its
+            :class:`shardserver.metrics.ShardCounters`, so they reach ``/stats`` and ``/metrics``.
     """
 
-    def __init__(self, cfg: EngineConfig, url: str) -> None:
+    def __init__(self, cfg: EngineConfig, url: str, counters: MutableMapping[str, int] | None = None) -> None:
         self.cfg = cfg
         self.url = engine_base_url(url) + "/v1/completions"
         self.display_url = mask_url(self.url)  # for messages: no credentials
+        self.counters: MutableMapping[str, int] = counters if counters is not None else collections.Counter()
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # never reuses a connection
+        self._slots: asyncio.Semaphore | None = None
+        # The engine's outage: monotonic time of the first failure since the last answer, and why.
+        self._down_since: float | None = None
+        self._down_reason = ""
+        self._retrying = 0  # requests between their first failure and their final outcome
 
     async def start(self) -> None:
-        conn = aiohttp.TCPConnector(limit=self.cfg.pool_size, keepalive_timeout=30)
-        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s, sock_connect=self.cfg.connect_timeout_s)
+        """Open the connection pools (call in the event loop that will use them)."""
+        # aiohttp's own pool is unbounded: the semaphore is the pool limit, so that the wait for a
+        # slot can be bounded (engine.pool_wait_s) apart from the request itself (engine.timeout_s).
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.cfg.connect_timeout_s)
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_reuseconn.append(_on_reuse)
+        trace.freeze()
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.cfg.pool_idle_s)
         # aiohttp's default read buffer (64 KiB): a larger one cost more memory when many engine
         # answers arrive at once (measured with benchmarks/run_load.py --scenario queue-8k) and
         # saved no measurable CPU.
-        self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=True)
+        self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=True,
+                                              trace_configs=[trace])
+        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                            timeout=timeout, auto_decompress=True)
+        self._slots = asyncio.Semaphore(self.cfg.pool_size)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close both pools (idempotent)."""
+        for s in (self._session, self._fresh):
+            if s is not None:
+                await s.close()
+        self._session = self._fresh = None
 
-    async def post(self, body: bytes, headers: dict[str, str]) -> bytes:
-        """POST ``body`` (JSON bytes) and return the 2xx response body bytes.
+    def unavailable(self) -> EngineOutage | None:
+        """The ongoing outage (seconds since the first failure with no answer since, the last
+        failure, ``engine.unavailable_budget_s``, the engine), or None while the engine answers."""
+        if self._down_since is None:
+            return None
+        return EngineOutage(for_s=round(time.monotonic() - self._down_since, 3), reason=self._down_reason,
+                            budget_s=self.cfg.unavailable_budget_s, url=self.display_url)
+
+    def probe_ok(self) -> None:
+        """The engine answered a health probe: end the outage if no request is being re-forwarded
+        (so ``/readyz`` does not stay 503 after an outage that no sample has tried since)."""
+        if self._retrying == 0:
+            self._answered()
+
+    def _answered(self) -> None:
+        if self._down_since is not None:
+            log.info("engine at %s answers again after %.1f s", self.display_url,
+                     time.monotonic() - self._down_since)
+            self._down_since, self._down_reason = None, ""
+
+    async def post(self, body: bytes, headers: dict[str, str], ids: AttemptIds | None = None) -> bytes:
+        """POST ``body`` (JSON bytes) until the engine answers it; return the 2xx response body bytes.
+
+        ``ids`` gives each attempt its ``X-Request-Id``; without it none is added to ``headers``.
 
         Raises:
-            EngineError: any non-2xx status, timeout or connection failure (see module table).
+            EngineError: a final answer or failure (see the module table); ``retryable`` is True
+                only when the request never got a connection slot (``engine.pool_wait_s``).
         """
-        assert self._session is not None, "EngineClient.start() was not called"
+        assert self._session is not None and self._fresh is not None, "EngineClient.start() was not called"
         hdrs = {"Content-Type": "application/json", **headers}
-        attempt = 0
+        retrying = [False]
+        try:
+            return await self._post(body, hdrs, ids, retrying)
+        finally:
+            if retrying[0]:
+                self._retrying -= 1
+
+    async def _post(self, body: bytes, hdrs: dict[str, str], ids: AttemptIds | None, retrying: list[bool]) -> bytes:
+        """The attempt loop of :meth:`post`; sets ``retrying[0]`` (and counts the request in
+        ``self._retrying``) at its first failure."""
+        cfg = self.cfg
+        session = self._session
+        first_failure: float | None = None
+        backoff = _BACKOFF_FIRST_S
         while True:
+            if ids is not None:
+                hdrs["X-Request-Id"] = ids.next()
             try:
-                async with self._session.post(self.url, data=body, headers=hdrs) as resp:
-                    limit = self.cfg.max_body_bytes
-                    if resp.content_length is not None and resp.content_length > limit:
-                        raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
-                                          f"engine.max_body_bytes={limit}", status=resp.status, category="server")
-                    data = await resp.read()
-                    status = resp.status
-                    if len(data) > limit:
-                        raise EngineError(f"engine body of {len(data)} bytes exceeds engine.max_body_bytes={limit}",
-                                          status=status, category="server")
-            except aiohttp.ClientConnectorError as exc:
-                if attempt < self.cfg.connect_retries:
-                    attempt += 1
-                    await asyncio.sleep(0.05 * 2 ** attempt)
+                status, data = await self._attempt(session, body, hdrs)
+            except _Broken as exc:
+                if exc.reused and exc.no_response and session is self._session:
+                    # The engine closed an idle keep-alive connection as we reused it: nothing ran.
+                    self.counters["engine_keepalive_retries"] += 1
+                    session = self._fresh
                     continue
-                raise EngineError(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}", status=None,
-                                  category="server", retryable=True) from None
-            except asyncio.TimeoutError:
-                raise EngineError(f"engine timed out after {self.cfg.timeout_s} s (engine.timeout_s)",
-                                  status=None, category="server") from None
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-                raise EngineError(f"engine connection broke while reading the response: {mask_urls_in(str(exc))}",
-                                  status=None, category="server") from None
-            except aiohttp.ClientError as exc:
-                raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None, category="server") from None
-            if status < 400:
-                return data
-            never_ran = status in NEVER_RAN_STATUSES
-            if (never_ran or (status >= 500 and self.cfg.retry_5xx)) and attempt < self.cfg.connect_retries:
-                attempt += 1
-                await asyncio.sleep(min(0.25 * 2 ** attempt, 8.0))
-                continue
-            msg = engine_error_message(status, data)
-            # 408/429 come from a router's queue, not from a bad request; vLLM reports its own
-            # NaN-serialization failure as a 400 although the request was fine (spec §4, §8.1).
-            # A 404 in FastAPI's own shape ({"detail": "Not Found"}) is a wrong engine path, ours.
-            wrong_path = status in (404, 405) and data[:11] == b'{"detail":"'
-            user = 400 <= status < 500 and not never_ran and _NAN_MARK not in msg and not wrong_path
-            raise EngineError(msg, status=status, category="user" if user else "server", retryable=never_ran)
+                reason = str(exc)
+                status = None
+            else:
+                if status < 400:
+                    self._answered()
+                    return data
+                reason = engine_error_message(status, data)
+                if not (status in NEVER_RAN_STATUSES or (status >= 500 and cfg.retry_5xx)):
+                    self._answered()  # the engine is up: this answer is final
+                    # vLLM reports its own NaN-serialization failure as a 400 although the request
+                    # was fine (spec §4, §8.1); a 404 in FastAPI's own shape ({"detail": "Not Found"})
+                    # is a wrong engine path, ours.
+                    wrong_path = status in (404, 405) and data[:11] == b'{"detail":"'
+                    user = 400 <= status < 500 and _NAN_MARK not in reason and not wrong_path
+                    raise EngineError(reason, status=status, category="user" if user else "server")
+            # Not answered: re-forward with backoff while the budget lasts.
+            now = time.monotonic()
+            if first_failure is None:
+                first_failure = now
+                retrying[0] = True
+                self._retrying += 1
+            if self._down_since is None:
+                self._down_since = now
+                log.warning("engine at %s unavailable: %s", self.display_url, reason)
+            self._down_reason = reason
+            down_for = now - first_failure
+            left = cfg.unavailable_budget_s - down_for
+            if left <= 0:
+                self.counters["engine_budget_exhausted"] += 1
+                raise EngineError(f"engine at {self.display_url} unavailable for {down_for:.1f} s "
+                                  f"(engine.unavailable_budget_s = {cfg.unavailable_budget_s:g}); last: {reason}",
+                                  status=status, category="server")
+            self.counters["engine_reforwards"] += 1
+            await asyncio.sleep(min(backoff * random.uniform(0.5, 1.0), left))
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            session = self._session
+
+    async def _attempt(self, session: aiohttp.ClientSession, body: bytes, hdrs: dict[str, str]) -> tuple[int, bytes]:
+        """One attempt on one connection slot: (status, body bytes), or raises _Broken / EngineError."""
+        assert self._slots is not None
+        cfg = self.cfg
+        try:
+            async with asyncio.timeout(cfg.pool_wait_s):
+                await self._slots.acquire()
+        except TimeoutError:
+            self.counters["engine_pool_wait_exceeded"] += 1
+            raise EngineError(f"no engine connection free within {cfg.pool_wait_s:g} s (all engine.pool_size = "
+                              f"{cfg.pool_size} in use; engine.pool_wait_s): the request was not sent",
+                              status=None, category="server", retryable=True) from None
+        trace = _TraceCtx()
+        answered = False
+        try:
+            async with asyncio.timeout(cfg.timeout_s) as deadline:
+                try:
+                    async with session.post(self.url, data=body, headers=hdrs, trace_request_ctx=trace) as resp:
+                        answered = True
+                        limit = cfg.max_body_bytes
+                        if resp.content_length is not None and resp.content_length > limit:
+                            raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
+                                              f"engine.max_body_bytes={limit}", status=resp.status, category="server")
+                        data = await resp.read()
+                        if len(data) > limit:
+                            raise EngineError(f"engine body of {len(data)} bytes exceeds engine.max_body_bytes={limit}",
+                                              status=resp.status, category="server")
+                        return resp.status, data
+                except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
+                    raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
+                                  no_response=True, reused=False) from None
+                except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                    what = str(exc) or type(exc).__name__
+                    if answered:
+                        raise _Broken(f"engine connection broke while reading the response: {mask_urls_in(what)}",
+                                      no_response=False, reused=trace.reused) from None
+                    raise _Broken(f"engine connection broke before the response: {mask_urls_in(what)}",
+                                  no_response=True, reused=trace.reused) from None
+                except aiohttp.ClientError as exc:
+                    raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
+                                      category="server") from None
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise EngineError(f"engine timed out after {cfg.timeout_s} s (engine.timeout_s)",
+                              status=None, category="server") from None
+        finally:
+            self._slots.release()

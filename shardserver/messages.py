@@ -49,6 +49,7 @@ __all__ = [
     "PollGone",
     "PollReply",
     "EngineReachability",
+    "EngineOutage",
     "StatsReply",
     "ErrorReply",
     "ControlProtocolError",
@@ -224,6 +225,23 @@ class EngineReachability(_Message, kw_only=True, omit_defaults=False):
     age_s: float | None
 
 
+class EngineOutage(_Message, kw_only=True, omit_defaults=False):
+    """An ongoing engine outage, as an encoder's engine calls see it
+    (:meth:`shardserver.engine_client.EngineClient.unavailable`).
+
+    Attributes:
+        for_s: seconds since the first failed attempt with no answer from the engine since.
+        reason: the last failure (an HTTP status and message, or a connection error).
+        budget_s: ``engine.unavailable_budget_s``: how long each request is re-forwarded.
+        url: the engine's completions URL (credentials masked).
+    """
+
+    for_s: float
+    reason: str
+    budget_s: float
+    url: str
+
+
 class StatsReply(_Message, kw_only=True, omit_defaults=False):
     """One shard's counters and gauges (``/stats`` shows it as is; ``/metrics`` and ``/readyz`` use it).
 
@@ -240,6 +258,8 @@ class StatsReply(_Message, kw_only=True, omit_defaults=False):
         pending_request_bytes: engine request bodies held by pending futures (bytes).
         engine_calls: engine requests in flight (at most ``engine.pool_size``).
         engine_queued: pending futures waiting for an engine connection.
+        engine_unavailable: the engine outage its engine calls are riding out, None when the
+            engine answers.
     """
 
     shard: int
@@ -256,6 +276,7 @@ class StatsReply(_Message, kw_only=True, omit_defaults=False):
     pending_request_bytes: int = 0
     engine_calls: int = 0
     engine_queued: int = 0
+    engine_unavailable: EngineOutage | None = None
 
 
 class ErrorReply(_Message, kw_only=True):

@@ -9,6 +9,8 @@ Life of a future in a shard::
 
     SUBMIT ──> PENDING ──engine 200──> decode ──> encode into arena ──> DONE ──DELIVERED──> (retrieved TTL) ──> freed
                   │  └─ finish_reason abort ──> re-forward (engine.max_abort_resubmits) ──> GONE (410)
+                  ├─ refused / broken connection, cut body, 408/429/503 ──> re-forwarded inside EngineClient
+                  │     (backoff, within engine.unavailable_budget_s; then FAILED(server))
                   └─ engine 4xx ──> FAILED(user);  5xx / timeout / bad body ──> FAILED(server)
 
 A contiguous arena slot is reserved at SUBMIT for the largest result the
@@ -48,7 +50,7 @@ import numpy as np
 from ..codec import CompletionDecoder, encode_sample_response, sample_response_size, sample_response_to_json
 from ..config import Config, mask_url
 from ..control import serve_control
-from ..engine_client import EngineClient
+from ..engine_client import AttemptIds, EngineClient
 from ..errors import EngineBodyError, EngineError
 from ..ids import IdSigner
 from ..messages import (
@@ -420,18 +422,20 @@ class EncoderCore:
 
     async def _run(self, e: FutureEntry, body: bytes, sid: str, n: int, want_plp: bool, topk: int,
                    prompt: np.ndarray | None) -> None:
-        headers = {"X-Session-ID": sid, "X-Request-Id": e.fid}
+        headers = {"X-Session-ID": sid}
+        ids = AttemptIds(e.fid)  # X-Request-Id <fid>-a1, -a2, ... over every attempt of this future
         aborts = 0
         try:
             while True:
                 t_engine = time.perf_counter()
                 try:
-                    data = await self.engine.post(body, headers)
+                    # Re-forwards after refused/broken connections and 408/429/503 happen inside,
+                    # within engine.unavailable_budget_s.
+                    data = await self.engine.post(body, headers, ids=ids)
                 except EngineError as exc:
                     self.timers.engine(time.perf_counter() - t_engine, False)
-                    if exc.retryable:  # the engine never ran it: 410 makes the SDK resubmit
-                        self.counters["engine_unavailable"] += 1
-                        self._gone(e, f"engine unavailable ({exc})")
+                    if exc.retryable:  # never sent (no pooled connection in time): 410, the SDK resubmits
+                        self._gone(e, f"engine request not sent ({exc})")
                     else:
                         self._fail(e, str(exc), exc.category)
                     return
@@ -628,6 +632,8 @@ class EncoderCore:
             pending_request_bytes=self.pending_request_bytes,
             engine_calls=self.engine_calls,
             engine_queued=len(self.engine_queue) - self._queue_stale,
+            # An ongoing outage seen by the engine calls themselves (None: the engine answers).
+            engine_unavailable=getattr(self.engine, "unavailable", lambda: None)(),
         )
 
     async def handle(self, msg: object, blob: bytes) -> SubmitReply | PollReply | StatsReply | ErrorReply | None:
@@ -689,8 +695,10 @@ class EncoderProc:
         from ..health import EngineProbe
 
         probe = EngineProbe(engine_url, cfg.engine.health_interval_s, cfg.engine.connect_timeout_s, shard)
+        probe.on_ok = engine.probe_ok  # a healthy engine nobody is retrying is no longer "unavailable"
         core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id, cfg.server.host_id),
                            engine_probe=probe)
+        engine.counters = core.counters  # retry counters reach /stats and /metrics
         probe.start()  # the first probe runs at once; /readyz waits for it
         try:
             os.unlink(sock_path)

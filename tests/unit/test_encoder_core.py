@@ -32,7 +32,7 @@ class SimEngine:
         self.calls = 0
         self.gate: asyncio.Event | None = None
 
-    async def post(self, body: bytes, headers: dict[str, str]) -> bytes:
+    async def post(self, body: bytes, headers: dict[str, str], ids=None) -> bytes:
         self.calls += 1
         if self.gate is not None:
             await self.gate.wait()
