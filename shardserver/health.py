@@ -6,7 +6,11 @@ request pool never delays it), bounded by ``engine.connect_timeout_s``. The
 last result is part of the encoder's STATS reply (``"engine": {"ok",
 "reason", "age_s"}``). A front-end answering ``/readyz`` asks every encoder
 for STATS (:func:`readiness`) and answers 200 only when all of them answer and
-report the engine reachable; otherwise 503 with the reason.
+report the engine reachable; otherwise 503 with the reason. The encoder's
+engine calls also count: while they are being re-forwarded because the
+engine does not answer (an outage, see :mod:`shardserver.engine_client`),
+STATS carries ``"engine_unavailable"`` and ``/readyz`` says since when, the
+last status seen and when samples start failing, even if ``/health`` answers.
 
 An answer below 500 counts as reachable (vLLM answers 200; a router or proxy
 without ``/health`` answers 404, which still proves the engine host is
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 
@@ -53,6 +57,9 @@ class EngineProbe:
         self.reason = "engine probing disabled (engine.health_interval_s = 0)" if interval_s <= 0 else \
             "engine not probed yet"
         self.checked_at = 0.0
+        # Called after each successful probe (the encoder ends an engine outage no request is
+        # re-forwarding any more: EngineClient.probe_ok).
+        self.on_ok: Callable[[], None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -100,6 +107,8 @@ class EngineProbe:
             else:
                 log.warning("encoder %d: engine unreachable: %s", self.shard, reason)
         self.ok, self.reason, self.checked_at = ok, reason, time.monotonic()
+        if ok and self.on_ok is not None:
+            self.on_ok()
         return ok
 
     def state(self) -> EngineReachability:
@@ -113,10 +122,14 @@ async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict
 
     200 ``{"status": "ready", "encoders": S}`` when every encoder is connected, answers STATS
     within ``timeout`` seconds and reports its last engine probe successful (an encoder whose
-    STATS has no ``engine`` entry does not probe and does not block readiness). Otherwise 503
+    STATS has no ``engine`` entry does not probe and does not block readiness), and no encoder's
+    engine requests are failing (STATS ``engine_unavailable``, from
+    :meth:`shardserver.engine_client.EngineClient.unavailable`). Otherwise 503
     ``{"status": "not ready", "reason": "...", "encoders_down": [...], "engine_down": [...],
-    "engine_unknown": [...]}``: shards whose encoder did not answer, whose last probe failed, and
-    whose first probe has not finished yet.
+    "engine_unknown": [...], "engine_unavailable": [...]}`` (the last key only when not empty):
+    shards whose encoder did not answer,
+    whose last probe failed, whose first probe has not finished yet, and whose engine requests
+    are being re-forwarded (the reason says for how long, the last status seen and the budget).
     """
     from .metrics import gather_stats
 
@@ -125,6 +138,7 @@ async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict
     down: list[int] = []
     engine_down: list[int] = []
     engine_unknown: list[int] = []
+    unavailable: list[int] = []
     for r in replies:
         shard = r.get("shard")
         if "error" in r:
@@ -135,7 +149,16 @@ async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict
         if eng is not None and eng.get("ok") is not True:
             (engine_down if eng.get("ok") is False else engine_unknown).append(shard)
             reasons.append(f"encoder {shard}: {eng.get('reason') or 'engine not reachable'}")
-    if down or engine_down or engine_unknown:
-        return 503, {"status": "not ready", "reason": "; ".join(reasons), "encoders_down": down,
-                     "engine_down": engine_down, "engine_unknown": engine_unknown}
+        out = r.get("engine_unavailable")
+        if out:
+            unavailable.append(shard)
+            reasons.append(f"encoder {shard}: engine requests to {out['url']} failing for {out['for_s']:.1f} s, "
+                           f"last: {out['reason']}; each is re-forwarded for up to engine.unavailable_budget_s = "
+                           f"{out['budget_s']:g} s, then fails")
+    if down or engine_down or engine_unknown or unavailable:
+        body = {"status": "not ready", "reason": "; ".join(reasons), "encoders_down": down,
+                "engine_down": engine_down, "engine_unknown": engine_unknown}
+        if unavailable:
+            body["engine_unavailable"] = unavailable
+        return 503, body
     return 200, {"status": "ready", "encoders": len(clients)}

@@ -91,6 +91,16 @@ SUBMITS_REJECTED = Counter("shardserver_submits_rejected",
                            ["shard"], registry=REGISTRY)
 ENGINE_ABORTS = Counter("shardserver_engine_aborts", "Engine answers with finish_reason abort (re-forwarded).",
                         ["shard"], registry=REGISTRY)
+ENGINE_RETRIES = Counter(
+    "shardserver_engine_retries",
+    "Engine requests sent again: kind keepalive = at once on a fresh connection (a reused keep-alive "
+    "connection closed before any response byte), reforward = with backoff after a refused or broken "
+    "connection, a truncated body or HTTP 408/429/503.",
+    ["shard", "kind"], registry=REGISTRY)
+ENGINE_BUDGET_EXHAUSTED = Counter(
+    "shardserver_engine_budget_exhausted",
+    "Futures failed (category server) because the engine stayed unavailable for engine.unavailable_budget_s.",
+    ["shard"], registry=REGISTRY)
 ARENA_OVERFLOW = Counter("shardserver_arena_overflow",
                          "Results larger than their request's arena reservation with no other room (410).",
                          ["shard"], registry=REGISTRY)
@@ -176,6 +186,9 @@ _SHARD_COUNTER_MAP: dict[str, tuple[Counter, dict[str, str]]] = {
     "rejected_429": (SUBMITS_REJECTED, {}),
     "engine_aborts": (ENGINE_ABORTS, {}),
     "arena_overflow": (ARENA_OVERFLOW, {}),
+    "engine_keepalive_retries": (ENGINE_RETRIES, {"kind": "keepalive"}),
+    "engine_reforwards": (ENGINE_RETRIES, {"kind": "reforward"}),
+    "engine_budget_exhausted": (ENGINE_BUDGET_EXHAUSTED, {}),
 }
 
 
@@ -378,6 +391,9 @@ class ShardGaugeCollector:
                                labels=["shard"])
         engine = GaugeMetricFamily("shardserver_engine_up",
                                    "1 if the encoder's last engine probe (GET /health) succeeded.", labels=["shard"])
+        outage = GaugeMetricFamily("shardserver_engine_unavailable_seconds",
+                                   "Seconds the encoder's engine requests have been failing and re-forwarded "
+                                   "(0 while the engine answers).", labels=["shard"])
         futures = GaugeMetricFamily("shardserver_futures", "Futures held by the shard, by stage.",
                                     labels=["shard", "stage"])
         size = GaugeMetricFamily("shardserver_arena_size_bytes", "Size of the shard's arena.", labels=["shard"])
@@ -400,6 +416,8 @@ class ShardGaugeCollector:
                 continue
             eng = r.get("engine")
             engine.add_metric([s], 1.0 if (eng is None or eng.get("ok") is True) else 0.0)
+            out = r.get("engine_unavailable")
+            outage.add_metric([s], float(out["for_s"]) if out else 0.0)
             for stage, n in (r.get("stages") or {}).items():
                 futures.add_metric([s, stage], float(n))
             a_size = float(r.get("arena_bytes", 0))
@@ -412,7 +430,7 @@ class ShardGaugeCollector:
             req_bytes.add_metric([s], float(r.get("pending_request_bytes", 0)))
             calls.add_metric([s, "running"], float(r.get("engine_calls", 0)))
             calls.add_metric([s, "queued"], float(r.get("engine_queued", 0)))
-        return [up, engine, futures, size, used, reserved, free, req_bytes, calls]
+        return [up, engine, outage, futures, size, used, reserved, free, req_bytes, calls]
 
 
 def render(shard_replies: list[dict[str, Any]]) -> bytes:
