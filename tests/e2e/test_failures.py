@@ -25,6 +25,7 @@ front_ends = 1
 [engine]
 timeout_s = 2
 max_abort_resubmits = 1
+unavailable_budget_s = 1
 [futures]
 long_poll_s = 5
 [simulator]
@@ -130,14 +131,17 @@ def test_engine_fault_fails_the_future_with_category(fapi, token, category, frag
     assert st2 == 200 and json.loads(body2) == err
 
 
-def test_engine_that_never_ran_the_request_answers_410(fapi):
-    """429/408/503 mean the engine did not run it: retried (engine.connect_retries), then 410 so
-    the SDK resubmits the sample rather than failing the user's step."""
+def test_engine_that_never_runs_the_request_fails_after_the_budget(fapi):
+    """429/408/503 mean the engine did not run it: re-forwarded with backoff for
+    engine.unavailable_budget_s (1 s here), then the future fails (category server), naming the
+    engine, the last status and for how long (issue 10: no more 410 and endless resubmission)."""
     t0 = time.monotonic()
     _, st, _, body = _sample(fapi, 9007)
-    assert st == 410 and "engine unavailable" in json.loads(body)["error"]
-    assert "HTTP 429" in json.loads(body)["error"]
-    assert time.monotonic() - t0 >= 1.4  # two retries, 0.5 s then 1 s apart
+    err = json.loads(body)
+    assert st == 200 and err["category"] == "server"
+    assert "unavailable for 1." in err["error"] and "(engine.unavailable_budget_s = 1)" in err["error"]
+    assert "last: engine returned HTTP 429: (empty body)" in err["error"]
+    assert time.monotonic() - t0 >= 1.0
 
 
 def test_engine_503_once_is_retried_transparently(fapi):

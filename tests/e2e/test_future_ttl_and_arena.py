@@ -66,10 +66,12 @@ def test_ttls_and_long_poll():
         assert sum(sh["counters"].get("expired", 0) for sh in stats["shards"]) == 1
 
 
-def test_engine_unreachable_answers_410_after_retries():
-    """Connection refused: the request never reached the engine, so after engine.connect_retries
-    the future answers 410 and the SDK resubmits (an engine restart does not fail the RL step)."""
-    env = {"SHARDSERVER_ENGINE__URL": "http://bob:hunter2@127.0.0.1:9/v1", "SHARDSERVER_ENGINE__CONNECT_RETRIES": "1",
+def test_engine_unreachable_fails_after_the_budget():
+    """Connection refused: the request never reached the engine, so it is re-forwarded with
+    backoff (an engine restart does not fail the RL step) for engine.unavailable_budget_s, then
+    the future fails (category server) naming the engine (credentials masked) and the cause."""
+    env = {"SHARDSERVER_ENGINE__URL": "http://bob:hunter2@127.0.0.1:9/v1",
+           "SHARDSERVER_ENGINE__UNAVAILABLE_BUDGET_S": "1",
            "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_SHARDS__COUNT": "1",
            "SHARDSERVER_ENGINE__HEALTH_INTERVAL_S": "0.2"}
     with RunningServer(env=env) as s:
@@ -78,9 +80,12 @@ def test_engine_unreachable_answers_410_after_retries():
         assert st == 503 and json.loads(b)["engine_down"] == [0]
         rid = _sample(api, api.sampling_session(), [1], 0)
         st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
-        err = json.loads(b)["error"]
-        assert st == 410 and "cannot connect to engine at http://***@127.0.0.1:9/v1/completions" in err
-        assert s.stats()["shards"][0]["counters"]["engine_unavailable"] == 1
+        err = json.loads(b)
+        assert st == 200 and err["category"] == "server"
+        assert err["error"].startswith("engine at http://***@127.0.0.1:9/v1/completions unavailable for 1.")
+        assert "last: cannot connect to engine at http://***@127.0.0.1:9/v1/completions" in err["error"]
+        c = s.stats()["shards"][0]["counters"]
+        assert c["engine_budget_exhausted"] == 1 and c["engine_reforwards"] >= 3
         st, _, b = http_json(s.url + "/readyz")
         assert b"hunter2" not in b
     # Engine credentials appear nowhere: not in answers, not in the log.

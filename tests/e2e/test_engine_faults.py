@@ -1,0 +1,324 @@
+"""Engine-facing resilience (issue 10): every way an engine fails a request, done by a real engine
+process over real sockets, and what the gateway and the SDK make of it.
+
+The engines are ``fake_engine.FakeEngine`` (a raw-asyncio HTTP server that resets, closes, cuts,
+delays or refuses exactly as told, answering with the simulator's bodies) and ``shardserver
+engine-sim`` run standalone (``fake_engine.SimEngineProcess``), SIGKILLed and restarted on the same
+port. Results are checked token for token against ``conftest.engine_body``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import BASE_MODEL, Api, engine_body, expected_sequences
+from fake_engine import FakeEngine, SimEngineProcess, free_port
+from shardserver.config import EngineConfig
+from shardserver.testing import RunningServer, http_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_expected_bodies():
+    """Build the simulator's token pool in this process before any timing matters."""
+    engine_body([1], 1, 1, 1)
+
+
+def gateway(engine_url: str, shards: int = 1, **engine: object) -> RunningServer:
+    """A gateway (1 front-end) in front of ``engine_url``; ``engine`` overrides ``[engine]`` keys."""
+    env = {"SHARDSERVER_ENGINE__URL": engine_url, "SHARDSERVER_SHARDS__COUNT": str(shards),
+           "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_SHARDS__ARENA_BYTES": str(8 << 20),
+           "SHARDSERVER_FUTURES__LONG_POLL_S": "5", "SHARDSERVER_ENGINE__HEALTH_INTERVAL_S": "0.3"}
+    env.update({f"SHARDSERVER_ENGINE__{k.upper()}": str(v) for k, v in engine.items()})
+    return RunningServer(env=env)
+
+
+def submit(api: Api, ssid: str, first: int, seq: int) -> tuple[str, list[int]]:
+    """asample one sample of MAX_TOKENS tokens, seed ``seq``; returns (request_id, prompt)."""
+    prompt = [first, seq % 1000, 7]
+    return api.submit(ssid, prompt, seq_id=seq, max_tokens=MAX_TOKENS, seed=seq), prompt
+
+
+def retrieve(api: Api, rid: str, within_s: float = 60.0) -> tuple[int, dict, bytes]:
+    """Poll like the SDK (408 try_again: poll again) until a final answer or ``within_s``."""
+    end = time.monotonic() + within_s
+    while True:
+        st, h, body = api.post("/api/v1/retrieve_future", {"request_id": rid},
+                               headers={"Accept": "application/x-protobuf"})
+        if st != 408 or time.monotonic() > end:
+            return st, h, body
+
+
+def assert_result(st: int, h: dict, body: bytes, prompt: list[int], seed: int) -> None:
+    """A 200 protobuf SampleResponse equal, token for token, to the simulator's answer."""
+    from tinker.proto import tinker_public_pb2
+
+    assert st == 200 and h["content-type"] == "application/x-protobuf", (st, body[:300])
+    m = tinker_public_pb2.SampleResponse()
+    m.ParseFromString(body)
+    want = expected_sequences(engine_body(prompt, 1, MAX_TOKENS, seed))[0]
+    assert np.frombuffer(m.sequences[0].tokens, dtype="<i4").tolist() == want["tokens"]
+    assert np.array_equal(np.frombuffer(m.sequences[0].logprobs, dtype="<f4"), want["logprobs"])
+
+
+def counters(s: RunningServer) -> dict[str, int]:
+    """The encoders' counters, summed over shards."""
+    out: dict[str, int] = {}
+    for sh in s.stats()["shards"]:
+        for k, v in sh["counters"].items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def metric(s: RunningServer, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` in /metrics whose labels include ``labels``."""
+    st, _, body = http_json(s.url + "/metrics")
+    assert st == 200
+    return sum(smp.value for fam in text_string_to_metric_families(body.decode()) for smp in fam.samples
+               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
+
+
+def completions(engine: FakeEngine) -> list[dict]:
+    return engine.log()
+
+
+# -- input 1: the idle keep-alive race ---------------------------------------------------------------
+def test_keepalive_reset_on_a_reused_connection_is_resent_on_a_fresh_one():
+    """The engine answers one completion per keep-alive connection and resets it when the next
+    request arrives on it (uvicorn closing an idle connection just as the gateway reuses it).
+    Before: sample 2 failed with "engine request failed: [Errno 104] Connection reset by peer"."""
+    with FakeEngine(reset_reused=True) as eng, gateway(eng.url, pool_idle_s=60) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        for i in range(4):
+            rid, prompt = submit(api, ssid, 100, i)
+            assert_result(*retrieve(api, rid), prompt, i)
+            time.sleep(0.3)
+        log = completions(eng)
+        # Samples 2 and 4 reuse the pooled connection of the sample before: reset, then sent again
+        # on a new connection (not pooled, so sample 3 opens a new pooled one).
+        assert [e["action"] for e in log] == ["ok", "reset", "ok", "ok", "reset", "ok"]
+        assert all(e["nth"] == 1 for e in log if e["action"] == "ok")
+        assert all(e["nth"] == 2 for e in log if e["action"] == "reset")
+        c = counters(s)
+        assert c.get("engine_keepalive_retries") == 2 and "engine_reforwards" not in c
+        assert metric(s, "shardserver_engine_retries_total", kind="keepalive", shard="0") == 2
+        assert c.get("failed_server", 0) == 0
+
+
+def test_idle_pooled_connections_are_dropped_before_the_engine_drops_them():
+    """The pool's idle lifetime is a key (``engine.pool_idle_s``) whose default sits below vLLM's
+    5 s keep-alive; with it below the engine's, an idle connection is never reused at all.
+    Scaled down: the engine closes idle connections after 1.5 s, the gateway drops them after 0.5 s,
+    samples come 0.8 s apart."""
+    assert EngineConfig().pool_idle_s < 5
+    with FakeEngine(reset_reused=True, idle_close_s=1.5) as eng, gateway(eng.url, pool_idle_s=0.5) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        for i in range(3):
+            rid, prompt = submit(api, ssid, 101, i)
+            assert_result(*retrieve(api, rid), prompt, i)
+            time.sleep(0.8)
+        log = completions(eng)
+        assert [(e["action"], e["nth"]) for e in log] == [("ok", 1)] * 3
+        assert "engine_keepalive_retries" not in counters(s)
+
+
+# -- input 2: engine restart -------------------------------------------------------------------------
+def test_in_flight_samples_survive_an_engine_sigkill_and_restart():
+    """``shardserver engine-sim`` standalone; 128 samples in flight; SIGKILL it, start it again on
+    the same port 2 s later. Before: every in-flight sample failed for good ("engine connection
+    broke while reading the response: Server disconnected"). Now every one completes, exactly."""
+    sim = SimEngineProcess(sim={"latency_s": 0.6})
+    with sim, gateway(sim.url, shards=2) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        jobs = [submit(api, ssid, 200, i) for i in range(128)]
+        time.sleep(0.2)
+        assert sim.stats()["in_flight"] > 0
+        sim.kill()
+        time.sleep(2.0)
+        sim.start()
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda j: retrieve(api, j[0]), jobs))
+        for i, ((_, prompt), ans) in enumerate(zip(jobs, answers)):
+            assert_result(*ans, prompt, i)
+        c = counters(s)
+        assert c["completed"] == 128 and c.get("engine_reforwards", 0) >= 1
+        assert "failed_server" not in c and "gone" not in c
+        assert metric(s, "shardserver_engine_retries_total", kind="reforward") == c["engine_reforwards"]
+
+
+def test_refused_connections_are_reforwarded_until_the_engine_listens():
+    """Nothing listens on the engine port (engine restarting): the sample waits and completes
+    once an engine starts there."""
+    port = free_port()
+    with gateway(f"http://127.0.0.1:{port}") as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid, prompt = submit(api, ssid, 102, 0)
+        time.sleep(1.5)
+        with FakeEngine(port=port) as eng:
+            assert_result(*retrieve(api, rid), prompt, 0)
+            assert [e["request_id"] for e in completions(eng)][0].startswith(rid + "-a")
+        c = counters(s)
+        assert c.get("engine_reforwards", 0) >= 3 and "failed_server" not in c
+
+
+def test_connection_closed_or_reset_before_the_response_or_cut_mid_body_is_reforwarded():
+    """Fresh connections the engine closes (FIN) or resets (RST) before any response byte, and a
+    body cut after half its bytes: each sample is sent again and completes exactly."""
+    with FakeEngine(drop_before_response=2, drop_how="close") as eng, gateway(eng.url) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid, prompt = submit(api, ssid, 103, 0)
+        assert_result(*retrieve(api, rid), prompt, 0)
+        assert [e["action"] for e in completions(eng)] == ["drop", "drop", "ok"]
+        assert counters(s)["engine_reforwards"] == 2
+        eng.configure(drop_before_response=2, drop_how="reset")
+        rid, prompt = submit(api, ssid, 103, 1)
+        assert_result(*retrieve(api, rid), prompt, 1)
+        assert [e["action"] for e in completions(eng)][3:] == ["drop", "drop", "ok"]
+        # The first drop hit the pooled connection of sample 1 before any response byte: sent
+        # again at once (keep-alive retry); the second one, on a fresh connection, after a backoff.
+        c = counters(s)
+        assert c["engine_reforwards"] == 3 and c["engine_keepalive_retries"] == 1
+        eng.configure(truncate=1)
+        rid, prompt = submit(api, ssid, 103, 2)
+        assert_result(*retrieve(api, rid), prompt, 2)
+        assert [e["action"] for e in completions(eng)][6:] == ["truncate", "ok"]
+        c = counters(s)
+        assert c["engine_reforwards"] == 4 and c["completed"] == 3 and "failed_server" not in c
+
+
+def test_never_ran_statuses_are_reforwarded_while_they_last():
+    """408/429/503 (a router's queue, vLLM admission control) for 1.5 s, then answers: each sample
+    completes. Before, each answered 410 after engine.connect_retries (1.5 s of backoff)."""
+    cases = [(503, "vllm"), (429, "empty"), (408, "empty"), (503, "router")]
+    with FakeEngine() as eng, gateway(eng.url) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        seen = 0
+        for i, (status, body) in enumerate(cases):
+            eng.configure(status=status, status_body=body, status_for_s=1.8)
+            t0 = time.monotonic()
+            rid, prompt = submit(api, ssid, 105, i)
+            assert_result(*retrieve(api, rid), prompt, i)
+            assert time.monotonic() - t0 >= 1.8
+            acts = [e["action"] for e in completions(eng)][seen:]
+            seen += len(acts)
+            assert acts[-1] == "ok" and set(acts[:-1]) == {"status"} and len(acts) >= 4, (status, acts)
+        c = counters(s)
+        assert c["engine_reforwards"] == seen - len(cases) and "failed_server" not in c
+
+
+# -- input 3: waiting for a pooled connection is not engine time --------------------------------------
+def test_waiting_for_a_pooled_connection_is_not_engine_time():
+    """pool_size 2, timeout_s 3, each engine call takes 1.2 s, 6 samples at once. Before: samples
+    5 and 6 failed with "engine timed out after 3.0 s" after 2.4 s of waiting for a connection."""
+    with FakeEngine(delay_s=1.2) as eng, gateway(eng.url, pool_size=2, timeout_s=3) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        jobs = [submit(api, ssid, 106, i) for i in range(6)]
+        for i, (rid, prompt) in enumerate(jobs):
+            assert_result(*retrieve(api, rid), prompt, i)
+        t = sorted(e["t"] for e in completions(eng))
+        assert len(t) == 6
+        # Two at a time: the engine saw three waves, 1.2 s apart.
+        assert t[2] - t[1] > 1.0 and t[4] - t[3] > 1.0
+        assert "failed_server" not in counters(s)
+
+
+def test_no_pooled_connection_within_pool_wait_answers_410():
+    """A request that never got a connection was never sent: 410 (the SDK resubmits), not a failure."""
+    with FakeEngine(delay_s=2.0) as eng, gateway(eng.url, pool_size=1, pool_wait_s=0.5) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        (rid1, p1), (rid2, _) = submit(api, ssid, 107, 0), submit(api, ssid, 107, 1)
+        st, _, body = retrieve(api, rid2)
+        assert st == 410
+        assert "no engine connection free within 0.5 s (all engine.pool_size = 1 in use" in json.loads(body)["error"]
+        assert_result(*retrieve(api, rid1), p1, 0)
+        assert len(completions(eng)) == 1
+        assert counters(s)["engine_pool_wait_exceeded"] == 1
+
+
+# -- input 4: engine unavailable for good --------------------------------------------------------------
+def test_engine_unavailable_for_good_fails_after_the_budget_and_recovers():
+    """503 to every request for longer than engine.unavailable_budget_s (2 s here): the sample fails
+    (category server) naming the engine, the status and how long; /readyz says why meanwhile; the
+    first answer ends the outage. Before:
+    410 after engine.connect_retries, and the SDK resubmitted forever."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+    from tinker import types
+
+    with FakeEngine(status=503) as eng, gateway(eng.url, unavailable_budget_s=2) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        t0 = time.monotonic()
+        rid, _ = submit(api, ssid, 108, 0)
+        time.sleep(0.8)
+        st, _, b = http_json(s.url + "/readyz")
+        ready = json.loads(b)
+        assert st == 503 and ready["engine_unavailable"] == [0] and ready["engine_down"] == []
+        assert re.search(r"encoder 0: engine requests to http://127\.0\.0\.1:\d+/v1/completions failing for "
+                         r"[0-9.]+ s, last: engine returned HTTP 503: The engine is currently busy", ready["reason"])
+        assert ready["reason"].endswith("each is re-forwarded for up to engine.unavailable_budget_s = 2 s, then fails")
+        st, h, body = retrieve(api, rid)
+        took = time.monotonic() - t0
+        err = json.loads(body)
+        assert st == 200 and h["content-type"].startswith("application/json") and err["category"] == "server"
+        assert err["error"].startswith(f"engine at {eng.url}/v1/completions unavailable for 2.")
+        assert "(engine.unavailable_budget_s = 2); last: engine returned HTTP 503: The engine is currently busy" \
+            in err["error"]
+        assert 2.0 <= took < 5.0
+        # Each of its attempts had its own request id.
+        ids = [e["request_id"] for e in completions(eng)]
+        assert ids == [f"{rid}-a{i}" for i in range(1, len(ids) + 1)] and len(ids) >= 4
+        # The real SDK raises RequestFailedError after the budget (no endless resubmission).
+        sampler = tinker.ServiceClient(base_url=s.url, api_key="tml-t").create_sampling_client(
+            base_model=BASE_MODEL).result(60)
+        t1 = time.monotonic()
+        with pytest.raises(tinker.RequestFailedError) as ei:
+            sampler.sample(prompt=types.ModelInput.from_ints([108, 5]), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=3, seed=1)).result(30)
+        assert "unavailable for 2." in str(ei.value) and "HTTP 503" in str(ei.value)
+        assert 2.0 <= time.monotonic() - t1 < 10
+        c = counters(s)
+        assert c["engine_budget_exhausted"] == 2 and c["failed_server"] == 2
+        assert metric(s, "shardserver_engine_budget_exhausted_total", shard="0") == 2
+        assert metric(s, "shardserver_engine_unavailable_seconds", shard="0") >= 2.0
+        # Recovery is automatic once the engine answers.
+        eng.configure(status=None)
+        rid3, prompt3 = submit(api, ssid, 108, 2)
+        assert_result(*retrieve(api, rid3), prompt3, 2)
+        st, _, b = http_json(s.url + "/readyz")
+        assert (st, json.loads(b)) == (200, {"status": "ready", "encoders": 1})
+        assert metric(s, "shardserver_engine_unavailable_seconds", shard="0") == 0
+
+
+# -- input 7: one request id per attempt ----------------------------------------------------------------
+def test_every_attempt_carries_its_own_request_id():
+    """Two dropped connections, one abort, then the answer: four attempts, four X-Request-Ids
+    ``<future_id>-a1`` .. ``-a4``. Before: all four carried the future id itself."""
+    with FakeEngine(drop_before_response=2, abort=1) as eng, gateway(eng.url) as s:
+        api = Api(s.url)
+        rid, prompt = submit(api, api.sampling_session(), 109, 0)
+        assert_result(*retrieve(api, rid), prompt, 0)
+        log = completions(eng)
+        assert [e["action"] for e in log] == ["drop", "drop", "abort", "ok"]
+        assert [e["request_id"] for e in log] == [f"{rid}-a{i}" for i in range(1, 5)]
+        c = counters(s)
+        assert c["engine_reforwards"] == 2 and c["engine_aborts"] == 1
