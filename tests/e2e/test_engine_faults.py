@@ -98,7 +98,7 @@ def test_keepalive_reset_on_a_reused_connection_is_resent_on_a_fresh_one():
     """The engine answers one completion per keep-alive connection and resets it when the next
     request arrives on it (uvicorn closing an idle connection just as the gateway reuses it).
     Before: sample 2 failed with "engine request failed: [Errno 104] Connection reset by peer"."""
-    with FakeEngine(reset_reused=True) as eng, gateway(eng.url, pool_idle_s=60) as s:
+    with FakeEngine(reset_reused=True) as eng, gateway(eng.url) as s:
         api = Api(s.url)
         ssid = api.sampling_session()
         for i in range(4):
