@@ -108,7 +108,7 @@ ENCODER_EVENTS = Counter("shardserver_encoder_events", "Other encoder counters, 
                          ["shard", "event"], registry=REGISTRY)
 ENGINE_LATENCY = Histogram(
     "shardserver_engine_request_duration_seconds",
-    "One engine request (POST /v1/completions, retries of connection errors included), in seconds.",
+    "One engine request (POST /v1/completions, re-forwards and the wait for a connection included), in seconds.",
     ["outcome"], registry=REGISTRY,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
 DECODE_ENCODE = Histogram(

@@ -178,8 +178,9 @@ def test_refused_connections_are_reforwarded_until_the_engine_listens():
 
 def test_connection_closed_or_reset_before_the_response_or_cut_mid_body_is_reforwarded():
     """Fresh connections the engine closes (FIN) or resets (RST) before any response byte, and a
-    body cut after half its bytes: each sample is sent again and completes exactly."""
-    with FakeEngine(drop_before_response=2, drop_how="close") as eng, gateway(eng.url) as s:
+    body cut after half its bytes: each sample is sent again and completes exactly. A complete
+    body over engine.max_body_bytes is not re-sent: it fails (category server)."""
+    with FakeEngine(drop_before_response=2, drop_how="close") as eng, gateway(eng.url, max_body_bytes=1 << 20) as s:
         api = Api(s.url)
         ssid = api.sampling_session()
         rid, prompt = submit(api, ssid, 103, 0)
@@ -200,6 +201,12 @@ def test_connection_closed_or_reset_before_the_response_or_cut_mid_body_is_refor
         assert [e["action"] for e in completions(eng)][6:] == ["truncate", "ok"]
         c = counters(s)
         assert c["engine_reforwards"] == 4 and c["completed"] == 3 and "failed_server" not in c
+        rid = api.submit(ssid, [103, 9], seq_id=3, max_tokens=20000, seed=3)
+        st, _, body = retrieve(api, rid)
+        err = json.loads(body)
+        assert st == 200 and err["category"] == "server"
+        assert re.fullmatch(r"engine body of \d+ bytes exceeds engine.max_body_bytes=1048576", err["error"])
+        assert [e["action"] for e in completions(eng)][8:] == ["ok"] and counters(s)["engine_reforwards"] == 4
 
 
 def test_never_ran_statuses_are_reforwarded_while_they_last():

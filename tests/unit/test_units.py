@@ -56,6 +56,10 @@ def test_env_overrides_file_values():
     ({"engine": {"url": "ftp://x"}}, {}, "engine.url"),
     ({"auth": {"mode": "maybe"}}, {}, "auth.mode"),
     ({"server": {"access_log": "yes"}}, {}, "server.access_log"),
+    ({"engine": {"pool_idle_s": 0}}, {}, "engine.pool_idle_s"),
+    ({"engine": {"pool_wait_s": -1}}, {}, "engine.pool_wait_s"),
+    ({}, {"SHARDSERVER_ENGINE__UNAVAILABLE_BUDGET_S": "0"}, "engine.unavailable_budget_s"),
+    ({"engine": {"connect_retries": 2}}, {}, "engine.connect_retries"),
 ])
 def test_invalid_config_names_the_key(data, env, key):
     with pytest.raises(ConfigError) as ei:
