@@ -45,6 +45,9 @@ def completion_request_body(
     * From the SDK's ``stop``: a string becomes ``stop: [string]``; a list of strings
       ``stop``; a list of ints ``stop_token_ids``; the empty list ``ignore_eos: true`` (the
       SDK's ``stop=[]`` means no stop at all, EOS included); None sets nothing.
+    * ``skip_special_tokens: false`` whenever ``stop`` strings are sent: vLLM matches stop
+      strings against the detokenized text, and special tokens (``<|im_end|>``) appear in it
+      only then. It costs nothing: the gateway reads ``token_ids``, never ``text``.
 
     Args:
         model: the model name the engine serves (``engine.model``, else the session's).
@@ -80,4 +83,6 @@ def completion_request_body(
             req["stop_token_ids"] = stop
         else:
             req["stop"] = stop
+    if "stop" in req:
+        req["skip_special_tokens"] = False  # so that "<|im_end|>" can match (see above)
     return json.dumps(req, separators=(",", ":")).encode()

@@ -21,6 +21,10 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
 * ``abort``: the next N completions end with ``finish_reason: "abort"`` (a partial sample).
 * ``model``, ``max_model_len``: what ``GET /v1/models`` reports and what the bodies are
   rendered with (prompt + max_tokens over the window: vLLM's 400).
+* ``script``: generate these token ids (repeated as needed) instead of the simulator's, with
+  vLLM's stop rules (:func:`scripted_body`): EOS 151643 unless ``ignore_eos``, then
+  ``stop_token_ids``, then ``stop`` strings matched against the detokenized text, in which the
+  special tokens of ``SPECIAL`` appear only when the request has ``skip_special_tokens: false``.
 
 ``GET /_fake/log`` returns one entry per completion request: ``conn`` (connection number),
 ``nth`` (request number on that connection), ``request_id`` (``X-Request-Id``), ``action``
@@ -53,8 +57,65 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULTS: dict[str, Any] = {
     "delay_s": 0.0, "reset_reused": False, "idle_close_s": 0.0, "drop_before_response": 0, "drop_how": "close",
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
-    "model": "Qwen/Qwen3-8B", "max_model_len": 65536,
+    "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "script": None,
 }
+EOS = 151643
+# Qwen's special tokens: their text appears in the output only with skip_special_tokens false.
+SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+
+
+def scripted_body(req: dict[str, Any], script: list[int], model: str, request_id: str) -> dict[str, Any]:
+    """A vLLM 0.30 completion (parsed JSON) whose every choice generates ``script``, stopped the
+    way vLLM stops (``check_stop`` for EOS and ``stop_token_ids``; the detokenizer's stop-string
+    check, on text without special tokens unless ``skip_special_tokens`` is false).
+
+    The matched stop token stays in ``token_ids`` (vLLM keeps it); a matched stop string is cut
+    from ``text`` and reported as ``stop_reason``. Logprobs are ``-0.5 - 0.01 * i``.
+    """
+    max_tokens = req.get("max_tokens") or 16
+    stop_ids = set(req.get("stop_token_ids") or [])
+    stops = req.get("stop") or []
+    stops = [stops] if isinstance(stops, str) else list(stops)
+    skip = req.get("skip_special_tokens", True)
+    ignore_eos = bool(req.get("ignore_eos", False))
+    ids: list[int] = []
+    pieces: list[str] = []
+    text = ""
+    finish, reason = "length", None
+    for i in range(max_tokens):
+        t = script[i % len(script)]
+        ids.append(t)
+        piece = ("" if skip else SPECIAL[t]) if t in SPECIAL else f" w{t}"
+        pieces.append(SPECIAL.get(t, piece))
+        if not ignore_eos and t == EOS:
+            finish = "stop"
+            break
+        if t in stop_ids:
+            finish, reason = "stop", t
+            break
+        text += piece
+        hits = [(text.find(s), s) for s in stops if s and s in text]
+        if hits:
+            at, s = min(hits)
+            text, finish, reason = text[:at], "stop", s
+            break
+    lps = [-0.5 - 0.01 * i for i in range(len(ids))]
+    offsets, off = [], 0
+    for p in pieces:
+        offsets.append(off)
+        off += len(p)
+    choice = lambda k: {  # noqa: E731
+        "index": k, "text": text,
+        "logprobs": {"text_offset": offsets, "token_logprobs": lps, "tokens": pieces,
+                     "top_logprobs": [{p: lp} for p, lp in zip(pieces, lps)]},
+        "finish_reason": finish, "stop_reason": reason, "token_ids": ids, "prompt_logprobs": None,
+        "prompt_token_ids": req.get("prompt"), "routed_experts": None}
+    n = int(req.get("n") or 1)
+    return {"id": request_id, "object": "text_completion", "created": 1700000000, "model": model,
+            "choices": [choice(k) for k in range(n)], "service_tier": None, "system_fingerprint": None,
+            "usage": {"prompt_tokens": len(req.get("prompt") or []),
+                      "total_tokens": len(req.get("prompt") or []) + len(ids) * n,
+                      "completion_tokens": len(ids) * n, "prompt_tokens_details": None}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +245,10 @@ class _Server:
             entry["action"] = "abort"
             override = FaultRule(kind="finish_reason", finish_reason="abort")
         rid = hdrs.get("x-request-id")
+        if cfg["script"]:
+            out = scripted_body(req or {}, cfg["script"], cfg["model"], "cmpl-" + (rid or "x"))
+            await self.send(writer, 200, json.dumps(out, separators=(",", ":")).encode())
+            return True
         try:
             body = render_completion(req or {}, sim, request_id=("cmpl-" + rid) if rid else None,
                                      finish_override=override)

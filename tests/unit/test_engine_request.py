@@ -18,10 +18,14 @@ HEAD = (b'{"model":"Qwen/Qwen3-8B","prompt":[1,2,3],"n":2,"max_tokens":16,"tempe
     ({}, b"}"),
     ({"seed": 0}, b',"seed":0}'),
     ({"prompt_logprobs": 0}, b',"prompt_logprobs":0}'),
-    ({"seed": 42, "prompt_logprobs": 20, "stop": "\n\n"}, b',"seed":42,"prompt_logprobs":20,"stop":["\\n\\n"]}'),
+    ({"seed": 42, "prompt_logprobs": 20, "stop": "\n\n"},
+     b',"seed":42,"prompt_logprobs":20,"stop":["\\n\\n"],"skip_special_tokens":false}'),
     ({"stop": []}, b',"ignore_eos":true}'),
     ({"stop": [151643, 151645]}, b',"stop_token_ids":[151643,151645]}'),
-    ({"stop": ["</s>", "END"]}, b',"stop":["</s>","END"]}'),
+    ({"stop": ["</s>", "END"]}, b',"stop":["</s>","END"],"skip_special_tokens":false}'),
+    # Issue 10 input 5: a stop string that is a special token matches only with skip_special_tokens false.
+    ({"stop": "<|im_end|>"}, b',"stop":["<|im_end|>"],"skip_special_tokens":false}'),
+    ({"stop": ["<|im_end|>"]}, b',"stop":["<|im_end|>"],"skip_special_tokens":false}'),
 ])
 def test_body_bytes(fields, tail):
     body = completion_request_body(**{**BASE, **fields})
