@@ -11,9 +11,9 @@ vLLM's ``CompletionRequest`` (``vllm/entrypoints/openai/protocol.py``; the bundl
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-__all__ = ["completion_request_body"]
+__all__ = ["completion_request_body", "parse_model_windows", "context_window"]
 
 
 def completion_request_body(
@@ -86,3 +86,51 @@ def completion_request_body(
     if "stop" in req:
         req["skip_special_tokens"] = False  # so that "<|im_end|>" can match (see above)
     return json.dumps(req, separators=(",", ":")).encode()
+
+
+def parse_model_windows(body: bytes) -> dict[str, int]:
+    """The context window of each model in a ``GET /v1/models`` answer: ``{model id: tokens}``.
+
+    vLLM lists each served model as ``{"id", "root", "parent", "max_model_len", ...}`` (its
+    ``ModelCard``; ``max_model_len`` is the engine's ``--max-model-len``). A LoRA adapter's card
+    has no ``max_model_len`` and names its base model in ``parent``: it gets the base's window.
+    Entries without a usable window are left out (routers and proxies may list bare ids).
+
+    Raises:
+        ValueError: the body is not JSON with a ``data`` list.
+    """
+    obj = json.loads(body)
+    data = obj.get("data") if isinstance(obj, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("GET /v1/models answer has no data list")
+    out: dict[str, int] = {}
+    parents: dict[str, str] = {}
+    for m in data:
+        if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+            continue
+        mlen = m.get("max_model_len")
+        if isinstance(mlen, int) and not isinstance(mlen, bool) and mlen > 0:
+            out[m["id"]] = mlen
+        elif isinstance(m.get("parent"), str):
+            parents[m["id"]] = m["parent"]
+    for mid, parent in parents.items():
+        if parent in out:
+            out[mid] = out[parent]
+    return out
+
+
+def context_window(windows: Mapping[str, int], model: str, default: int) -> tuple[int, bool]:
+    """The context window (tokens) for requests naming ``model``: ``(tokens, learned)``.
+
+    ``windows`` is what the engine reported (:func:`parse_model_windows`). Its entry for
+    ``model`` if there is one; else, when every model the engine serves has the same window,
+    that window (one engine, one ``--max-model-len``); else ``default``
+    (``engine.max_model_len``) with ``learned`` False.
+    """
+    w = windows.get(model)
+    if w is not None:
+        return w, True
+    values = set(windows.values())
+    if len(values) == 1:
+        return values.pop(), True
+    return default, False

@@ -17,6 +17,11 @@ without ``/health`` answers 404, which still proves the engine host is
 serving HTTP). A 5xx, a timeout or a connection error counts as unreachable.
 State changes are logged once (warning when the engine goes down, info when
 it comes back), never per probe.
+
+Each successful probe also reads ``GET {engine.url}/v1/models``: the context
+window (``max_model_len``) of every model the engine serves, reported in
+STATS as ``"models"`` and in ``/readyz`` as ``"max_model_len"``. The
+front-ends use it for ``asample`` (see :mod:`shardserver.api.sampling`).
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ import aiohttp
 
 from .aio import cancel_and_wait
 from .config import engine_base_url, mask_url, mask_urls_in
+from .engine_request import parse_model_windows
 from .messages import EngineReachability
 
-__all__ = ["EngineProbe", "readiness"]
+__all__ = ["EngineProbe", "readiness", "engine_models_of"]
 
 log = logging.getLogger("shardserver.health")
 
@@ -50,6 +56,9 @@ class EngineProbe:
     def __init__(self, url: str, interval_s: float, timeout_s: float, shard: int = 0) -> None:
         self.url = engine_base_url(url) + "/health"
         self.display_url = mask_url(self.url)
+        self.models_url = engine_base_url(url) + "/v1/models"
+        # {model id: context window in tokens}, from the last GET /v1/models that answered one.
+        self.models: dict[str, int] = {}
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.shard = shard
@@ -106,21 +115,55 @@ class EngineProbe:
                 log.info("encoder %d: engine reachable (%s)", self.shard, self.display_url)
             else:
                 log.warning("encoder %d: engine unreachable: %s", self.shard, reason)
+        if ok:
+            await self._learn_models()
         self.ok, self.reason, self.checked_at = ok, reason, time.monotonic()
         if ok and self.on_ok is not None:
             self.on_ok()
         return ok
 
+    async def _learn_models(self) -> None:
+        """``GET /v1/models``: learn each served model's context window (``max_model_len``), again
+        at every probe, so a restart with another model or ``--max-model-len`` is noticed. An
+        engine without the endpoint (some routers) or without the field keeps what was learned."""
+        assert self._session is not None
+        try:
+            async with self._session.get(self.models_url) as resp:
+                status = resp.status
+                body = await resp.read()
+            if status != 200:
+                return
+            models = parse_model_windows(body)
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return
+        if models and models != self.models:
+            log.info("encoder %d: engine context window%s (GET /v1/models): %s", self.shard,
+                     "" if len(models) == 1 else "s", ", ".join(f"{m} {n} tokens" for m, n in models.items()))
+            self.models = models
+
     def state(self) -> EngineReachability:
-        """The last probe's result (``ok`` None: not probed yet; ``age_s`` in seconds, None before the first)."""
+        """The last probe's result (``ok`` None: not probed yet; ``age_s`` in seconds, None before the
+        first; ``models``: context windows learned from ``GET /v1/models``)."""
         return EngineReachability(ok=self.ok, reason=self.reason,
-                                  age_s=round(time.monotonic() - self.checked_at, 3) if self.checked_at else None)
+                                  age_s=round(time.monotonic() - self.checked_at, 3) if self.checked_at else None,
+                                  models=self.models)
+
+
+def engine_models_of(replies: list[dict[str, Any]]) -> dict[str, int]:
+    """The context windows the encoders learned (``{model id: tokens}``), from STATS replies."""
+    out: dict[str, int] = {}
+    for r in replies:
+        eng = r.get("engine") or {}
+        out.update(eng.get("models") or {})
+    return out
 
 
 async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
     """The ``/readyz`` answer of a front-end: (HTTP status, JSON body).
 
-    200 ``{"status": "ready", "encoders": S}`` when every encoder is connected, answers STATS
+    200 ``{"status": "ready", "encoders": S, "max_model_len": {model: tokens}}`` (the last key
+    when the engine reported its context windows in ``GET /v1/models``; in the 503 answer too)
+    when every encoder is connected, answers STATS
     within ``timeout`` seconds and reports its last engine probe successful (an encoder whose
     STATS has no ``engine`` entry does not probe and does not block readiness), and no encoder's
     engine requests are failing (STATS ``engine_unavailable``, from
@@ -155,10 +198,16 @@ async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict
             reasons.append(f"encoder {shard}: engine requests to {out['url']} failing for {out['for_s']:.1f} s, "
                            f"last: {out['reason']}; each is re-forwarded for up to engine.unavailable_budget_s = "
                            f"{out['budget_s']:g} s, then fails")
+    models = engine_models_of(replies)
     if down or engine_down or engine_unknown or unavailable:
         body = {"status": "not ready", "reason": "; ".join(reasons), "encoders_down": down,
                 "engine_down": engine_down, "engine_unknown": engine_unknown}
         if unavailable:
             body["engine_unavailable"] = unavailable
+        if models:
+            body["max_model_len"] = models
         return 503, body
-    return 200, {"status": "ready", "encoders": len(clients)}
+    body = {"status": "ready", "encoders": len(clients)}
+    if models:
+        body["max_model_len"] = models
+    return 200, body

@@ -218,11 +218,14 @@ class EngineReachability(_Message, kw_only=True, omit_defaults=False):
         ok: whether ``GET /health`` answered below 500; None: not probed yet.
         reason: why not ("" when reachable).
         age_s: seconds since the last probe, None before the first.
+        models: the context window (tokens) of each model the engine serves, learned from its
+            ``GET /v1/models`` (empty until then, or when the engine does not report it).
     """
 
     ok: bool | None
     reason: str
     age_s: float | None
+    models: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class EngineOutage(_Message, kw_only=True, omit_defaults=False):

@@ -49,6 +49,7 @@ async def readyz(request: Request) -> JSONResponse:
     (:func:`shardserver.health.readiness`)."""
     ctx = context(request)
     status, body = await readiness(ctx.clients)  # encoders connected and the engine reachable
+    ctx.note_engine_windows(body.get("max_model_len") or {})  # the freshest windows, for asample
     return JSONResponse(body, status_code=status, headers=ctx.fe_header)
 
 

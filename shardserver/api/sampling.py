@@ -5,7 +5,10 @@
 :func:`shardserver.codec.encode.max_sample_response_size`), builds the vLLM
 ``/v1/completions`` body (:func:`shardserver.engine_request.completion_request_body`) and
 sends both to the shard that ``(sampling_session_id, seq_id)`` hashes to (:func:`shardserver.ids.shard_of`), which dedupes resubmissions and mints the
-future ID. ``retrieve_future`` asks the shard the future ID hashes to and copies a finished
+future ID. An unset ``max_tokens`` becomes the engine's context window minus the prompt, and a
+request that cannot fit it is refused here with 400: the window is the one the engine reports in
+``GET /v1/models`` (learned by the encoders' probes, :attr:`FrontendContext.engine_windows`),
+else ``engine.max_model_len``. ``retrieve_future`` asks the shard the future ID hashes to and copies a finished
 result straight out of that shard's arena into the response (:class:`ResultResponse`):
 protobuf when ``Accept`` names :data:`PROTO_MEDIA_TYPE`, else JSON. The answers are listed
 in README's ``retrieve_future`` table.
@@ -23,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..codec import max_sample_response_size, sample_response_to_json
 from ..config import EngineConfig
-from ..engine_request import completion_request_body
+from ..engine_request import completion_request_body, context_window
 from ..errors import EncoderDeadError, SlotInvalidError
 from ..ids import FutureIdStatus, shard_of
 from ..metrics import count_asample_refused
@@ -141,13 +144,23 @@ def _prompt_tokens(req: SampleRequest) -> list[int]:
     return tokens
 
 
-def _check_limits(engine: EngineConfig, n: int, plen: int) -> None:
-    """Raises _Refused (400) when ``n`` > ``engine.max_num_samples`` or a prompt of ``plen``
-    tokens leaves no room under ``engine.max_model_len``."""
+def _check_limits(engine: EngineConfig, n: int, plen: int, max_tokens: int | None, model: str,
+                  window: int, learned: bool) -> None:
+    """Raises _Refused (400) when ``n`` > ``engine.max_num_samples``, or a prompt of ``plen``
+    tokens (plus ``max_tokens``, when set) does not fit the context window of ``window`` tokens:
+    the engine's own (``learned``, from ``GET /v1/models``; vLLM would refuse the request with a
+    400) or, when the engine did not report one, ``engine.max_model_len`` (then only the prompt
+    is checked, as a configured value may be below the engine's)."""
     if n > engine.max_num_samples:
         raise _Refused(400, f"num_samples={n} exceeds engine.max_num_samples={engine.max_num_samples}")
-    if plen >= engine.max_model_len:
-        raise _Refused(400, f"prompt of {plen} tokens does not fit engine.max_model_len={engine.max_model_len}")
+    where = f"the engine's context window of {window} tokens (max_model_len of {model} in GET /v1/models)"
+    if plen >= window:
+        if not learned:
+            raise _Refused(400, f"prompt of {plen} tokens does not fit engine.max_model_len={window}")
+        raise _Refused(400, f"prompt of {plen} tokens does not fit {where}")
+    if learned and max_tokens is not None and plen + max_tokens > window:
+        raise _Refused(400, f"prompt of {plen} tokens + max_tokens {max_tokens} = {plen + max_tokens} tokens "
+                            f"exceeds {where}")
 
 
 @router.post("/api/v1/asample")
@@ -167,7 +180,11 @@ async def asample(request: Request) -> JSONResponse:
             raise _Refused(404, "unknown sampling_session_id (create_sampling_session first; "
                                 "a session of an earlier server run is valid only under the same ID secret: "
                                 "server.id_secret or the id_secret file in server.state_dir)")
-        _check_limits(cfg.engine, req.num_samples, len(tokens))
+        model = cfg.engine.model or sess.base_model or sess.model_path or "default"
+        # The engine's context window as its GET /v1/models reports it, else engine.max_model_len.
+        window, learned = context_window(ctx.engine_windows, model, cfg.engine.max_model_len)
+        _check_limits(cfg.engine, req.num_samples, len(tokens), req.sampling_params.max_tokens, model, window,
+                      learned)
     except _Refused as exc:
         return error(exc.status, exc.message)
     n = req.num_samples
@@ -176,12 +193,11 @@ async def asample(request: Request) -> JSONResponse:
     max_tokens = sp.max_tokens
     if max_tokens is None:
         # Unset means "until EOS or the context is full" for the SDK; vLLM would use 16.
-        max_tokens = cfg.engine.max_model_len - plen
+        max_tokens = window - plen
     # topk_prompt_logprobs > 0 implies prompt logprobs (the top-k rows come with them).
     topk = req.topk_prompt_logprobs
     want_plp = bool(req.prompt_logprobs) or topk > 0
     reserve = max_sample_response_size(n, max_tokens, plen, want_plp, topk)  # the arena reservation
-    model = cfg.engine.model or sess.base_model or sess.model_path or "default"
     body = completion_request_body(
         model=model, prompt=tokens, n=n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
         top_k=sp.top_k, seed=sp.seed, stop=sp.stop, prompt_logprobs=topk if want_plp else None)

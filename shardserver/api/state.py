@@ -6,6 +6,7 @@ and vLLM's API server share state, never through closures.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,9 @@ class FrontendContext:
         fe_header: ``{"X-Shardserver-Front-End": str(index), "X-Shardserver-Host": server.host_id}``,
             the headers of most answers (HAProxy's health check compares the host with its server
             name, so a host configured with the wrong ``server.host_id`` gets no traffic).
+        engine_windows: ``{model id: context window in tokens}`` as the encoders learned it from the
+            engine's ``GET /v1/models`` (empty until then, or with probing off); refreshed by
+            :meth:`learn_engine_windows` and by every ``/readyz``.
     """
 
     cfg: Config
@@ -53,9 +57,35 @@ class FrontendContext:
     draining: bool = False
     auth: KeyTable = field(default_factory=KeyTable.open)  # the accepted API keys (digests only)
     fe_header: dict[str, str] = field(init=False)
+    engine_windows: dict[str, int] = field(default_factory=dict)
+    _windows_task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.fe_header = {"X-Shardserver-Front-End": str(self.index), "X-Shardserver-Host": self.cfg.server.host_id}
+
+    def note_engine_windows(self, windows: dict[str, int]) -> None:
+        """Keep the engine's context windows from STATS replies (an empty report changes nothing)."""
+        if windows:
+            self.engine_windows = dict(windows)
+
+    async def learn_engine_windows(self) -> None:
+        """Forever: every ``engine.health_interval_s`` (at most 1 s; 0.2 s in the first 30 s
+        while nothing was learned) ask one encoder (in turn) for its STATS and keep the context
+        windows its engine probe learned, so ``asample`` follows an engine restarted with
+        another model."""
+        from ..health import engine_models_of
+        from ..metrics import gather_stats
+
+        interval = min(self.cfg.engine.health_interval_s, 1.0)
+        fast_until = asyncio.get_running_loop().time() + 30.0
+        turn = 0
+        while True:
+            if self.clients:
+                c = self.clients[turn % len(self.clients)]
+                turn += 1
+                self.note_engine_windows(engine_models_of(await gather_stats([c], timeout=2.0)))
+            fast = not self.engine_windows and asyncio.get_running_loop().time() < fast_until
+            await asyncio.sleep(min(interval, 0.2) if fast else interval)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -75,6 +105,9 @@ class FrontendContext:
             c.start()
         for c in self.clients:
             await c.wait_connected(self.cfg.shards.ready_timeout_s)
+        if self.cfg.engine.health_interval_s > 0:  # the encoders' probes learn the engine's windows
+            self._windows_task = asyncio.get_running_loop().create_task(self.learn_engine_windows(),
+                                                                        name="learn-engine-windows")
 
     def drain(self) -> None:
         """Shutdown has begun: release held polls (they answer 408 try_again) and refuse new holds."""
@@ -83,6 +116,10 @@ class FrontendContext:
             c.release_polls(PollPending(draining=True))
 
     async def stop(self) -> None:
+        from ..aio import cancel_and_wait
+
+        await cancel_and_wait(self._windows_task)
+        self._windows_task = None
         for c in self.clients:
             await c.close()
         for r in self.readers.values():

@@ -169,7 +169,8 @@ def test_probes_and_metrics_need_no_key(keyed):
         st, _, _ = http_json(keyed.url + path)
         assert st == 200, path
     st, _, b = http_json(keyed.url + "/readyz")
-    assert json.loads(b) == {"status": "ready", "encoders": 2}
+    # The embedded simulator reports its context window in GET /v1/models (issue 10).
+    assert json.loads(b) == {"status": "ready", "encoders": 2, "max_model_len": {"Qwen/Qwen3-8B": 65536}}
 
 
 def test_each_configured_key_works(keyed):

@@ -57,3 +57,57 @@ def test_every_stop_form_lands_in_the_right_vllm_field():
             assert (list(seq.tokens), seq.stop_reason) == (tokens, reason), stop
             req = eng.log()[-1]["request"]
             assert {k: req[k] for k in fields if k in req} == sent, stop
+
+
+# -- input 6: the engine's context window ---------------------------------------------------------------
+def _asample(api: Api, ssid: str, prompt: list[int], seq: int, **params: int):
+    return api.post("/api/v1/asample", {"sampling_session_id": ssid, "seq_id": seq, "num_samples": 1,
+                                        "prompt": {"chunks": [{"tokens": prompt}]}, "sampling_params": params})
+
+
+def test_context_window_is_learned_from_the_engine_and_relearned_after_a_restart():
+    """Engine with a 4096-token window (GET /v1/models), gateway default 65536, 3-token prompt, no
+    max_tokens. Before: /readyz said ready, the gateway sent max_tokens 65533 and every such sample
+    failed (category user). Now the window is learned, shown by /readyz, caps an unset max_tokens,
+    refuses at asample what cannot fit, and is learned again when the engine comes back with another."""
+    from tinker import types
+
+    from conftest import engine_body, expected_sequences
+
+    with FakeEngine(max_model_len=4096) as eng, gateway(eng.url) as s:
+        st, _, b = http_json(s.url + "/readyz")
+        assert (st, json.loads(b)) == (200, {"status": "ready", "encoders": 1, "max_model_len": {BASE_MODEL: 4096}})
+        sampler = sampler_for(s.url)
+        prompt = [81, 82, 83]
+        resp = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+                              sampling_params=types.SamplingParams(seed=3)).result(60)
+        want = expected_sequences(engine_body(prompt, 1, 4093, 3, sim={"model_name": BASE_MODEL, "max_model_len": 4096}))
+        assert list(resp.sequences[0].tokens) == want[0]["tokens"] and len(want[0]["tokens"]) == 4093
+        assert eng.log()[-1]["request"]["max_tokens"] == 4093
+        # What cannot fit is refused at asample, naming both numbers.
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        st, _, b = _asample(api, ssid, list(range(4096)), 1)
+        assert (st, json.loads(b)["error"]) == (400, "prompt of 4096 tokens does not fit the engine's context window "
+                                                     f"of 4096 tokens (max_model_len of {BASE_MODEL} in GET /v1/models)")
+        st, _, b = _asample(api, ssid, list(range(4000)), 2, max_tokens=200)
+        assert (st, json.loads(b)["error"]) == (400, "prompt of 4000 tokens + max_tokens 200 = 4200 tokens exceeds "
+                                                     "the engine's context window of 4096 tokens (max_model_len of "
+                                                     f"{BASE_MODEL} in GET /v1/models)")
+        # The engine comes back with another window: learned again.
+        eng.kill()
+        eng.config["max_model_len"] = 8192
+        eng.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            st, _, b = http_json(s.url + "/readyz")
+            if st == 200 and json.loads(b).get("max_model_len") == {BASE_MODEL: 8192}:
+                break
+            time.sleep(0.2)
+        assert json.loads(b)["max_model_len"] == {BASE_MODEL: 8192}
+        st, _, b = _asample(api, ssid, prompt, 3, seed=3)
+        assert st == 200, b
+        rid = json.loads(b)["request_id"]
+        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
+        assert st == 200
+        assert eng.log()[-1]["request"]["max_tokens"] == 8189

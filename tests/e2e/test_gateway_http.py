@@ -56,7 +56,8 @@ def test_health(api):
     st, h, b = api.post("/healthz", None)
     assert st == 200 and json.loads(b)["status"] == "ok"
     st, _, b = api.post("/readyz", None)
-    assert (st, json.loads(b)) == (200, {"status": "ready", "encoders": 2})
+    # The embedded simulator reports its context window in GET /v1/models (issue 10).
+    assert (st, json.loads(b)) == (200, {"status": "ready", "encoders": 2, "max_model_len": {BASE_MODEL: 65536}})
 
 
 def test_sample_proto_and_json_forms(api):
