@@ -161,18 +161,17 @@ def engine_models_of(replies: list[dict[str, Any]]) -> dict[str, int]:
 async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
     """The ``/readyz`` answer of a front-end: (HTTP status, JSON body).
 
-    200 ``{"status": "ready", "encoders": S, "max_model_len": {model: tokens}}`` (the last key
-    when the engine reported its context windows in ``GET /v1/models``; in the 503 answer too)
-    when every encoder is connected, answers STATS
-    within ``timeout`` seconds and reports its last engine probe successful (an encoder whose
-    STATS has no ``engine`` entry does not probe and does not block readiness), and no encoder's
-    engine requests are failing (STATS ``engine_unavailable``, from
-    :meth:`shardserver.engine_client.EngineClient.unavailable`). Otherwise 503
-    ``{"status": "not ready", "reason": "...", "encoders_down": [...], "engine_down": [...],
-    "engine_unknown": [...], "engine_unavailable": [...]}`` (the last key only when not empty):
-    shards whose encoder did not answer,
-    whose last probe failed, whose first probe has not finished yet, and whose engine requests
-    are being re-forwarded (the reason says for how long, the last status seen and the budget).
+    200 ``{"status": "ready", "encoders": S, "max_model_len": {model: tokens}}`` when every
+    encoder is connected, answers STATS within ``timeout`` seconds and reports its last engine
+    probe successful (an encoder whose STATS has no ``engine`` entry does not probe and does not
+    block readiness), and no encoder's engine requests are failing (STATS ``engine_unavailable``,
+    from :meth:`shardserver.engine_client.EngineClient.unavailable`). ``max_model_len`` is there
+    once the engine reported its context windows in ``GET /v1/models`` (in the 503 answer too).
+    Otherwise 503 ``{"status": "not ready", "reason": "...", "encoders_down": [...],
+    "engine_down": [...], "engine_unknown": [...], "engine_unavailable": [...]}`` (the last key
+    only when not empty): shards whose encoder did not answer, whose last probe failed, whose
+    first probe has not finished yet, and whose engine requests are being re-forwarded (the
+    reason says for how long, the last status seen and the budget).
     """
     from .metrics import gather_stats
 
