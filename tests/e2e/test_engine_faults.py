@@ -312,7 +312,7 @@ def test_engine_unavailable_for_good_fails_after_the_budget_and_recovers():
         rid3, prompt3 = submit(api, ssid, 108, 2)
         assert_result(*retrieve(api, rid3), prompt3, 2)
         st, _, b = http_json(s.url + "/readyz")
-        assert (st, json.loads(b)) == (200, {"status": "ready", "encoders": 1})
+        assert (st, json.loads(b)) == (200, {"status": "ready", "encoders": 1, "max_model_len": {BASE_MODEL: 65536}})
         assert metric(s, "shardserver_engine_unavailable_seconds", shard="0") == 0
 
 
