@@ -16,6 +16,7 @@ from shardserver.errors import ControlError
 from shardserver.messages import (
     ControlProtocolError,
     Delivered,
+    EngineOutage,
     EngineReachability,
     ErrorReply,
     FutureState,
@@ -118,8 +119,18 @@ def test_exact_field_values_after_decoding():
         "arena_bytes": 1048576, "arena_used_bytes": 8192, "arena_reserved_bytes": 4096, "decode_encode_s": 0.25,
         "counters": {"submitted": 3, "completed": 1},
         "stages": {"pending": 2, "completed": 0, "retrieved": 1, "gone": 0},
-        "engine": {"ok": False, "reason": "engine answered GET http://e/health with HTTP 503", "age_s": 1.5},
-        "pending_request_bytes": 0, "engine_calls": 0, "engine_queued": 0}
+        "engine": {"ok": False, "reason": "engine answered GET http://e/health with HTTP 503", "age_s": 1.5,
+                   "models": {}},
+        "pending_request_bytes": 0, "engine_calls": 0, "engine_queued": 0, "engine_unavailable": None}
+    # An engine outage and the learned context windows (issue 10) travel the same way.
+    outage = msgspec.structs.replace(
+        STATS, engine=EngineReachability(ok=True, reason="", age_s=0.5, models={"Qwen/Qwen3-8B": 4096}),
+        engine_unavailable=EngineOutage(for_s=3.25, reason="engine returned HTTP 503: busy", budget_s=300.0,
+                                        url="http://e/v1/completions"))
+    back = msgspec.to_builtins(decode_reply(Kind.STATS, encode_meta(outage)))
+    assert back["engine"] == {"ok": True, "reason": "", "age_s": 0.5, "models": {"Qwen/Qwen3-8B": 4096}}
+    assert back["engine_unavailable"] == {"for_s": 3.25, "reason": "engine returned HTTP 503: busy", "budget_s": 300.0,
+                                          "url": "http://e/v1/completions"}
 
 
 def test_poll_tags_are_the_future_states():
