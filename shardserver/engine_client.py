@@ -24,23 +24,25 @@ HTTP 400 "Out of range float values" (NaN),      fails (the engine ran it, or th
 HTTP 5xx (other)                                 fails                                        server
 no answer within ``engine.timeout_s`` of being   fails (the engine may be running it)         server
 sent; body over ``engine.max_body_bytes``
-no pooled connection within ``engine.pool_wait_s`` ``EngineError(retryable=True)``: the       --
-                                                 encoder answers 410, the SDK resubmits
 =============================================== ============================================ ==========
 
-Budget: a request gives up once it has kept failing for ``engine.unavailable_budget_s`` seconds
-since its first failure, so every sample gets the whole budget to ride out an engine restart,
-and none is re-sent forever (e.g. a body that is always cut). Apart from that, the client keeps
-the engine's outage: the time of the first failure since the last answer (any HTTP answer that
-is not a re-forwardable one ends it, and so does a successful health probe while no request is
-being re-forwarded). :meth:`EngineClient.unavailable` reports it for ``/readyz`` and the
-``shardserver_engine_unavailable_seconds`` gauge. Recovery needs nothing: the next answer ends it.
+Budget: the client keeps the engine's outage: the time of the first failure since the last
+answer (any HTTP answer that is not a re-forwardable one ends it, and so does a successful
+health probe while no request is being re-forwarded). A request gives up once it has kept
+failing for ``engine.unavailable_budget_s`` seconds since its own first failure, so every sample
+gets the whole budget to ride out an engine restart and none is re-sent forever (e.g. a body
+that is always cut); or, during an outage already older than the budget, after its second
+failed attempt (so the futures queued behind the first ``engine.pool_size`` do not each wait a
+budget more; one transient failure alone never fails a request). :meth:`EngineClient.unavailable`
+reports the outage for ``/readyz`` and the ``shardserver_engine_unavailable_seconds`` gauge.
+Recovery needs nothing: the next answer ends it.
 
-Timeouts: ``engine.timeout_s`` bounds one attempt from the moment it has a connection slot
-(connecting, sending, waiting for and reading the answer); waiting for one of the
-``engine.pool_size`` slots is bounded separately by ``engine.pool_wait_s`` and is never a
-fatal error. Idle pooled connections are dropped after ``engine.pool_idle_s`` (default 4 s,
-below the 5 s after which vLLM's uvicorn closes an idle keep-alive connection).
+Timeouts: ``engine.timeout_s`` bounds one attempt (connecting, sending, waiting for and reading
+the answer). The encoder starts at most ``engine.pool_size`` engine calls at once, so an attempt
+never waits for a pooled connection: that wait happens in the encoder's queue, before the call,
+bounded by ``engine.pool_wait_s``. Idle pooled connections are dropped after
+``engine.pool_idle_s`` (default 4 s, below the 5 s after which vLLM's uvicorn closes an idle
+keep-alive connection).
 
 Every attempt carries its own ``X-Request-Id`` (``<future_id>-a<N>``, see :class:`AttemptIds`):
 vLLM versions and prefill/decode routers that tear down the previous attempt reject a reused
@@ -152,7 +154,7 @@ class EngineClient:
         cfg: the ``[engine]`` config (timeouts in seconds, pool size in connections).
         url: base URL of the engine (``http://host:port``), without ``/v1/completions``.
         counters: where the retry counters go (``engine_keepalive_retries``, ``engine_reforwards``,
-            ``engine_budget_exhausted``, ``engine_pool_wait_exceeded``); the encoder passes its
+            ``engine_budget_exhausted``); the encoder passes its
             :class:`shardserver.metrics.ShardCounters`, so they reach ``/stats`` and ``/metrics``.
     """
 
@@ -163,7 +165,6 @@ class EngineClient:
         self.counters: MutableMapping[str, int] = counters if counters is not None else collections.Counter()
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None  # never reuses a connection
-        self._slots: asyncio.Semaphore | None = None
         # The engine's outage: monotonic time of the first failure since the last answer, and why.
         self._down_since: float | None = None
         self._down_reason = ""
@@ -171,8 +172,8 @@ class EngineClient:
 
     async def start(self) -> None:
         """Open the connection pools (call in the event loop that will use them)."""
-        # aiohttp's own pool is unbounded: the semaphore is the pool limit, so that the wait for a
-        # slot can be bounded (engine.pool_wait_s) apart from the request itself (engine.timeout_s).
+        # aiohttp's own pool is unbounded: the encoder starts at most engine.pool_size calls, so
+        # no attempt waits here for a connection (engine.timeout_s is the request's own time).
         timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.cfg.connect_timeout_s)
         trace = aiohttp.TraceConfig()
         trace.on_connection_reuseconn.append(_on_reuse)
@@ -185,7 +186,6 @@ class EngineClient:
                                               trace_configs=[trace])
         self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                             timeout=timeout, auto_decompress=True)
-        self._slots = asyncio.Semaphore(self.cfg.pool_size)
 
     async def close(self) -> None:
         """Close both pools (idempotent)."""
@@ -220,8 +220,7 @@ class EngineClient:
         ``ids`` gives each attempt its ``X-Request-Id``; without it none is added to ``headers``.
 
         Raises:
-            EngineError: a final answer or failure (see the module table); ``retryable`` is True
-                only when the request never got a connection slot (``engine.pool_wait_s``).
+            EngineError: a final answer or failure (see the module table).
         """
         assert self._session is not None and self._fresh is not None, "EngineClient.start() was not called"
         hdrs = {"Content-Type": "application/json", **headers}
@@ -238,6 +237,7 @@ class EngineClient:
         cfg = self.cfg
         session = self._session
         first_failure: float | None = None
+        failed = 0
         backoff = _BACKOFF_FIRST_S
         while True:
             if ids is not None:
@@ -275,7 +275,10 @@ class EngineClient:
                 self._down_since = now
                 log.warning("engine at %s unavailable: %s", self.display_url, reason)
             self._down_reason = reason
+            failed += 1
             down_for = now - first_failure
+            if failed >= 2 and now - self._down_since >= cfg.unavailable_budget_s:
+                down_for = now - self._down_since  # the outage outlasted the budget before this request
             left = cfg.unavailable_budget_s - down_for
             if left <= 0:
                 self.counters["engine_budget_exhausted"] += 1
@@ -288,17 +291,8 @@ class EngineClient:
             session = self._session
 
     async def _attempt(self, session: aiohttp.ClientSession, body: bytes, hdrs: dict[str, str]) -> tuple[int, bytes]:
-        """One attempt on one connection slot: (status, body bytes), or raises _Broken / EngineError."""
-        assert self._slots is not None
+        """One attempt on one connection: (status, body bytes), or raises _Broken / EngineError."""
         cfg = self.cfg
-        try:
-            async with asyncio.timeout(cfg.pool_wait_s):
-                await self._slots.acquire()
-        except TimeoutError:
-            self.counters["engine_pool_wait_exceeded"] += 1
-            raise EngineError(f"no engine connection free within {cfg.pool_wait_s:g} s (all engine.pool_size = "
-                              f"{cfg.pool_size} in use; engine.pool_wait_s): the request was not sent",
-                              status=None, category="server", retryable=True) from None
         trace = _TraceCtx()
         answered = False
         try:
@@ -333,5 +327,3 @@ class EngineClient:
                 raise
             raise EngineError(f"engine timed out after {cfg.timeout_s} s (engine.timeout_s)",
                               status=None, category="server") from None
-        finally:
-            self._slots.release()

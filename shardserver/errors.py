@@ -65,14 +65,12 @@ class EngineError(ShardServerError):
     Attributes:
         status: HTTP status from the engine, or ``None`` for timeouts and connection errors.
         category: ``"user"`` for engine 4xx (the request was bad), ``"server"`` otherwise.
-        retryable: whether the request never reached the engine, so re-sending it is safe.
     """
 
-    def __init__(self, message: str, *, status: int | None, category: str, retryable: bool = False) -> None:
+    def __init__(self, message: str, *, status: int | None, category: str) -> None:
         super().__init__(message)
         self.status = status
         self.category = category
-        self.retryable = retryable
 
 
 class SlotInvalidError(ShardServerError):

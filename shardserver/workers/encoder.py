@@ -24,7 +24,9 @@ Pending futures are bounded per shard: ``shards.max_pending`` futures and
 ``shards.max_pending_request_bytes`` of engine request bodies, beyond which
 SUBMIT is refused (429). At most ``engine.pool_size`` engine calls run at
 once; the other pending futures wait in a queue holding only their entry and
-their request body (about 1 KB besides the body), not a task.
+their request body (about 1 KB besides the body), not a task. One that
+waited longer than ``engine.pool_wait_s`` is not sent when its turn comes: it
+answers 410 and the SDK resubmits it.
 
 With ``auth.mode = "keys"`` each API key (the SUBMIT's ``owner``) may hold at
 most ``auth.key_share`` of the shard's arena (reservations plus results not
@@ -406,14 +408,23 @@ class EncoderCore:
         return None
 
     def _start_engine_calls(self) -> None:
-        """Start queued engine calls while fewer than ``engine.pool_size`` run."""
+        """Start queued engine calls while fewer than ``engine.pool_size`` run. A future that
+        waited longer than ``engine.pool_wait_s`` for its turn is not sent: it answers 410 (never
+        a failure: the engine never saw it) and the SDK resubmits it."""
         q = self.engine_queue
+        pool_wait_s = self.cfg.engine.pool_wait_s
         while q and self.engine_calls < self.max_engine_calls and not self._closed:
             e = q.popleft()
             if e.job is None:  # left the pending state while queued (TTL, close)
                 self._queue_stale -= 1
                 continue
             job, e.job = e.job, None
+            waited = time.monotonic() - e.created
+            if waited > pool_wait_s:
+                self.counters["engine_pool_wait_exceeded"] += 1
+                self._gone(e, f"engine request not sent: no engine connection free within {pool_wait_s:g} s "
+                              f"(all engine.pool_size = {self.max_engine_calls} in use; engine.pool_wait_s)")
+                continue
             self.engine_calls += 1
             e.task = asyncio.get_running_loop().create_task(self._run(e, *job), name=f"engine-call-{e.fid[:16]}")
         if self._queue_stale > 64 and self._queue_stale * 2 > len(q):
@@ -434,10 +445,7 @@ class EncoderCore:
                     data = await self.engine.post(body, headers, ids=ids)
                 except EngineError as exc:
                     self.timers.engine(time.perf_counter() - t_engine, False)
-                    if exc.retryable:  # never sent (no pooled connection in time): 410, the SDK resubmits
-                        self._gone(e, f"engine request not sent ({exc})")
-                    else:
-                        self._fail(e, str(exc), exc.category)
+                    self._fail(e, str(exc), exc.category)
                     return
                 t0 = time.perf_counter()
                 self.timers.engine(t0 - t_engine, True)
