@@ -713,6 +713,9 @@ class EncoderProc:
         except FileNotFoundError:
             pass
         server = await serve_control(sock_path, core.handle)
+        from ._subprocess import settle_gc
+
+        settle_gc()
         ready_conn.send(("ready", shard, os.getpid()))
         ready_conn.close()
         log.info("encoder %d ready: arena %s (%d bytes), engine %s", shard, arena_name, arena.size,

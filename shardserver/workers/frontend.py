@@ -25,6 +25,7 @@ from ..api.state import FrontendContext
 from ..api.auth import KeyTable
 from ..config import Config
 from ..ids import IdSigner
+from ._subprocess import settle_gc
 from .http_conn import ConnectionLimits, GatewayHttpProtocol, Listener, effective_max_connections
 
 __all__ = ["DrainingServer", "FrontendProc"]
@@ -54,7 +55,7 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:  # type: ignore[override]
         """uvicorn's startup (lifespan first), with our Listener on ``sockets[0]`` instead of
-        ``loop.create_server``."""
+        ``loop.create_server``; then :func:`~._subprocess.settle_gc`."""
         await self.lifespan.startup()
         if self.lifespan.should_exit:
             sys.exit(STARTUP_FAILURE)
@@ -77,6 +78,7 @@ class DrainingServer(uvicorn.Server):
         listener.start(protocol)
         self.servers = [listener]  # type: ignore[list-item]  # uvicorn's shutdown calls close() and wait_closed()
         self.started = True
+        settle_gc()  # the app, routes and encoder connections exist now: freeze them out of the GC
 
     def begin_drain(self) -> None:
         """Stop accepting and drain (see the class docstring); idempotent."""
