@@ -67,6 +67,9 @@ class ServerConfig:
     # RLIMIT_NOFILE minus a reserve); idle keep-alive connections are closed first to make room.
     max_connections: int = 4096
     access_log: bool = False
+    # POST /api/v1/asample and /api/v1/retrieve_future skip FastAPI's routing (same responses,
+    # less CPU; shardserver.api.app.GatewayApp). False: every request goes through FastAPI.
+    fast_path: bool = True
     log_level: str = "info"
     # Secret that signs session and future IDs. Empty: the secret kept in
     # ``<state_dir>/id_secret`` (created once, 0600), so sessions survive restarts.
