@@ -72,7 +72,10 @@ def _exchange(port: int, other_rid: str) -> tuple[list[tuple[str, bytes]], dict[
         ("asample empty prompt", _post(port, "/api/v1/asample", _sample_req(ssid, 1, tokens=()))),
         ("asample bad token", _post(port, "/api/v1/asample", _sample_req(ssid, 2, tokens=(-1,)))),
         ("asample unknown session", _post(port, "/api/v1/asample", _sample_req(ssid[:-4] + "AAAA", 3))),
-        ("asample too large", _post(port, "/api/v1/asample", b"{" + b" " * 5000 + b"}")),
+        ("asample too large", _post(port, "/api/v1/asample", b"{" + b" " * 9000 + b"}")),
+        ("asample nested 900", _post(port, "/api/v1/asample", b"[" * 900 + b"]" * 900)),
+        ("asample nested 901", _post(port, "/api/v1/asample", b"[" * 901 + b"]" * 901)),
+        ("retrieve nested 965", _post(port, "/api/v1/retrieve_future", b'{"a":' * 965 + b"1" + b"}" * 965)),
         ("asample missing key", _post(port, "/api/v1/asample", _sample_req(ssid, 4), key=None)),
         ("asample wrong key", _post(port, "/api/v1/asample", _sample_req(ssid, 4), key="tml-not-a-key")),
         ("asample other key's session", _post(port, "/api/v1/asample", _sample_req(ssid, 5), key=OTHER_KEY)),
@@ -83,7 +86,7 @@ def _exchange(port: int, other_rid: str) -> tuple[list[tuple[str, bytes]], dict[
         ("retrieve other run (410)", _post(port, "/api/v1/retrieve_future", {"request_id": other_rid})),
         ("retrieve other key", _post(port, "/api/v1/retrieve_future", {"request_id": rid}, key=OTHER_KEY)),
         ("retrieve missing key", _post(port, "/api/v1/retrieve_future", {"request_id": rid}, key=None)),
-        ("retrieve too large", _post(port, "/api/v1/retrieve_future", b"[" + b"1," * 3000 + b"1]")),
+        ("retrieve too large", _post(port, "/api/v1/retrieve_future", b"[" + b"1," * 5000 + b"1]")),
     ]
     done = b""
     for _ in range(50):  # the simulator answers after 1 s; each poll is held up to 0.3 s
@@ -102,7 +105,7 @@ def test_fast_path_answers_byte_identical_to_fastapi(tmp_path):
     keys.chmod(0o600)
     env = {"SHARDSERVER_AUTH__MODE": "keys", "SHARDSERVER_AUTH__KEYS_FILE": str(keys),
            "SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
-           "SHARDSERVER_SHARDS__ARENA_BYTES": str(8 << 20), "SHARDSERVER_SERVER__MAX_REQUEST_BYTES": "4096",
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(8 << 20), "SHARDSERVER_SERVER__MAX_REQUEST_BYTES": "8192",
            "SHARDSERVER_FUTURES__LONG_POLL_S": "0.3", "SHARDSERVER_SIMULATOR__LATENCY_S": "1",
            "SHARDSERVER_SERVER__ID_SECRET": "fast-path-test-secret-0123456789"}
     with RunningServer(env={**env, "SHARDSERVER_SERVER__FAST_PATH": "false"}) as slow, \
@@ -137,7 +140,7 @@ def test_fast_path_answers_byte_identical_to_fastapi(tmp_path):
     assert statuses == {
         "asample ok": 200, "retrieve pending (408)": 408, "asample not JSON": 400, "asample bad fields": 400,
         "asample empty prompt": 400, "asample bad token": 400, "asample unknown session": 404,
-        "asample too large": 413, "asample missing key": 401, "asample wrong key": 401,
+        "asample too large": 413, "asample nested 900": 400, "asample nested 901": 400, "retrieve nested 965": 400, "asample missing key": 401, "asample wrong key": 401,
         "asample other key's session": 404, "asample GET (404)": 404, "retrieve not JSON": 400,
         "retrieve bad fields": 400, "retrieve unknown (404)": 404, "retrieve other run (410)": 410,
         "retrieve other key": 404, "retrieve missing key": 401, "retrieve too large": 413,
@@ -147,4 +150,6 @@ def test_fast_path_answers_byte_identical_to_fastapi(tmp_path):
                  "asample missing key"):
         assert b"\r\nx-shardserver-front-end: 0\r\n" in dict(want)[name].lower(), name
     assert b"x-shardserver-shard: 0" in want[0][1].lower() and b"x-shardserver-shard: 0" in want[-1][1].lower()
+    assert b"Input should be a valid dictionary" in dict(want)["asample nested 900"]
+    assert b"nested too deeply" in dict(want)["asample nested 901"] and b"nested too deeply" in dict(want)["retrieve nested 965"]
     assert b"application/x-protobuf" in want[-1][1] and len(want[-1][1]) > 200
