@@ -113,7 +113,7 @@ def create_app(ctx: FrontendContext) -> FastAPI:
     # (:mod:`shardserver.metrics`), and with it on every request looked up the global
     # tracer, meter and logger providers (~8% of a front-end's samples under burst-32k).
     app = GatewayApp(title="shardserver", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  telemetry={"tracing": False, "metrics": False, "logs": False})
+                     telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.frontend = ctx
     auth_kw = dict(table=ctx.auth, on_reject=count_auth_rejected,
                    headers=[(b"x-shardserver-front-end", str(ctx.index).encode())])
