@@ -33,6 +33,9 @@ POLL       ``PollRequest`` (fid, timeout s, want)        ``PollDone`` (arena, of
                                                          form), ``PollPending``, ``PollFailed``, ``PollGone``
 DELIVERED  ``Delivered`` (fid)                           (none)
 STATS      ``StatsRequest``                              ``StatsReply``
+SESSION_   ``SessionPollRequest`` (sid, clone, after,    ``SessionPollReply`` (events: ``CompletionEvent``
+POLL       upto, limit, acks, timeout s)                 fid/stamp/ok/size, more, woke)
+CANCEL     ``CancelRequest`` (fid)                       ``CancelReply`` (was: the state it was in)
 (any)                                                    ``ErrorReply`` in an ERROR frame
 ========== ============================================ =====================================================
 """
@@ -49,6 +52,8 @@ import msgspec
 from .aio import cancel_and_wait
 from .errors import ControlError, EncoderDeadError
 from .messages import (
+    CancelReply,
+    CancelRequest,
     ControlProtocolError,
     Delivered,
     ErrorReply,
@@ -57,6 +62,8 @@ from .messages import (
     PollReply,
     PollRequest,
     RefusalReason,
+    SessionPollReply,
+    SessionPollRequest,
     StatsReply,
     StatsRequest,
     SubmitRefused,
@@ -270,6 +277,30 @@ class ControlClient:
         reply = await self.request(Kind.STATS, StatsRequest(), timeout=timeout)
         if isinstance(reply, ErrorReply):
             raise ControlError(f"encoder {self.shard} could not answer STATS: {reply.message}")
+        return reply  # type: ignore[return-value]
+
+    async def session_poll(self, req: SessionPollRequest, timeout: float | None = None) -> SessionPollReply:
+        """SESSION_POLL: one session's completions in this shard (held up to ``req.timeout`` s).
+
+        Raises:
+            ControlError: the encoder answered with an error.
+            EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
+        """
+        reply = await self.request(Kind.SESSION_POLL, req, timeout=timeout)
+        if isinstance(reply, ErrorReply):
+            raise ControlError(f"encoder {self.shard} could not answer SESSION_POLL: {reply.message}")
+        return reply  # type: ignore[return-value]
+
+    async def cancel(self, fid: str, timeout: float | None = None) -> CancelReply:
+        """CANCEL: stop and forget future ``fid``; the reply says which state it was in.
+
+        Raises:
+            ControlError: the encoder answered with an error.
+            EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
+        """
+        reply = await self.request(Kind.CANCEL, CancelRequest(fid=fid), timeout=timeout)
+        if isinstance(reply, ErrorReply):
+            raise ControlError(f"encoder {self.shard} could not answer CANCEL: {reply.message}")
         return reply  # type: ignore[return-value]
 
     def release_polls(self, reply: PollReply) -> int:

@@ -9,6 +9,8 @@ looking for keys::
     POLL       PollRequest                                      -> PollDone | PollPending | PollFailed | PollGone
     DELIVERED  Delivered                                        -> (no reply)
     STATS      StatsRequest                                     -> StatsReply
+    SESSION_POLL SessionPollRequest                             -> SessionPollReply
+    CANCEL     CancelRequest                                    -> CancelReply
 
 Any request may instead be answered with an :class:`ErrorReply` in an ``ERROR`` frame (the
 handler raised, or the request could not be decoded); :class:`shardserver.control.ControlClient`
@@ -40,6 +42,8 @@ __all__ = [
     "PollRequest",
     "Delivered",
     "StatsRequest",
+    "SessionPollRequest",
+    "CancelRequest",
     "SubmitAccepted",
     "SubmitRefused",
     "SubmitReply",
@@ -51,6 +55,9 @@ __all__ = [
     "EngineReachability",
     "EngineOutage",
     "StatsReply",
+    "CompletionEvent",
+    "SessionPollReply",
+    "CancelReply",
     "ErrorReply",
     "ControlProtocolError",
     "REQUEST_TYPES",
@@ -69,6 +76,8 @@ class Kind(enum.IntEnum):
     POLL = 2
     DELIVERED = 3
     STATS = 4
+    SESSION_POLL = 5
+    CANCEL = 6
     REPLY = 128   # the answer to the request with the same tag
     ERROR = 129   # the request with the same tag could not be handled: meta is an ErrorReply
 
@@ -155,6 +164,47 @@ class Delivered(_Message, kw_only=True):
 
 class StatsRequest(_Message, kw_only=True):
     """Ask for the shard's counters and gauges (kind STATS)."""
+
+
+class SessionPollRequest(_Message, kw_only=True):
+    """Ask for the completions of one sampling session (and clone) in this shard (kind SESSION_POLL),
+    for the SDK's session-wide poller ``POST /api/v1/retrieve_futures``.
+
+    Each shard stamps every completion (a future leaving PENDING: done, failed or gone) with a
+    ``time.monotonic_ns()`` value, strictly increasing within the shard; CLOCK_MONOTONIC is one
+    clock for every process of the host, so a stamp is comparable across shards and the cursor
+    the SDK carries is one integer (see :mod:`shardserver.api.futures`).
+
+    Attributes:
+        sid: the ``sampling_session_id``.
+        clone: the ``cloned_sampler_id`` (``seq_id // 10**9`` of the session's futures).
+        after: the cursor the client has seen (ns stamp): the shard forgets the session's
+            completions stamped at or before it and never returns them.
+        upto: return only completions stamped at or before this (ns); the front-end takes it from
+            the same clock just before it sends the request, so none at or before it can be missed.
+        limit: return at most this many completions (oldest first).
+        acks: future IDs whose results the client has fully retrieved: the shard frees them
+            (results and table entries) if they belong to ``sid`` and are no longer pending.
+        timeout: seconds to hold when there is nothing to return (0: answer at once). A held
+            request returns ``woke=True`` (and no events) as soon as a completion stamped after
+            ``after`` exists for the session, or when another SESSION_POLL for the same session
+            and clone arrives (it supersedes this one).
+    """
+
+    sid: str
+    clone: int = 0
+    after: int = 0
+    upto: int
+    limit: int
+    acks: list[str] = []
+    timeout: float = 0.0
+
+
+class CancelRequest(_Message, kw_only=True):
+    """The client abandoned this future (kind CANCEL, from ``POST /api/v1/cancel_future``): stop its
+    engine request, free its reservation or result, and forget it (later polls answer 410)."""
+
+    fid: str
 
 
 # -- replies (encoder -> front-end) ---------------------------------------------------------------
@@ -282,6 +332,47 @@ class StatsReply(_Message, kw_only=True, omit_defaults=False):
     engine_unavailable: EngineOutage | None = None
 
 
+class CompletionEvent(_Message, kw_only=True, array_like=True):
+    """One completion of a session in a shard (an array on the wire: many go in one reply).
+
+    Attributes:
+        fid: the future ID.
+        stamp: when it completed (``time.monotonic_ns()``, strictly increasing within a shard).
+        ok: True: a result lies in the arena (the SDK's ``"finished"``); False: failed or gone
+            (``"failed"``: the SDK then calls ``retrieve_future``, which answers the error or 410).
+        size: the result's protobuf bytes when ``ok`` (the SDK's
+            ``response_payload_uncompressed_size``), else 0.
+    """
+
+    fid: str
+    stamp: int
+    ok: bool
+    size: int = 0
+
+
+class SessionPollReply(_Message, kw_only=True):
+    """The answer to SESSION_POLL.
+
+    Attributes:
+        events: completions stamped in ``(after, upto]``, oldest first, at most ``limit``.
+        more: True when ``limit`` cut the list (the front-end then moves the cursor only to the
+            last returned stamp).
+        woke: a held request ended because a completion stamped after ``after`` exists (or it
+            was superseded); False when it timed out or was not held.
+    """
+
+    events: list[CompletionEvent] = []
+    more: bool = False
+    woke: bool = False
+
+
+class CancelReply(_Message, kw_only=True):
+    """The answer to CANCEL: ``was`` is the :class:`FutureState` value the future was in before it
+    was cancelled, or ``"unknown"`` when the shard does not hold it (expired, never issued, lost)."""
+
+    was: str
+
+
 class ErrorReply(_Message, kw_only=True):
     """Sent in a Kind.ERROR frame instead of the normal reply: the encoder could not handle the
     request (an unknown kind, an undecodable meta, or a bug in its handler)."""
@@ -300,6 +391,8 @@ REQUEST_TYPES: dict[Kind, type[_Message]] = {
     Kind.POLL: PollRequest,
     Kind.DELIVERED: Delivered,
     Kind.STATS: StatsRequest,
+    Kind.SESSION_POLL: SessionPollRequest,
+    Kind.CANCEL: CancelRequest,
 }
 """The request struct of each request kind."""
 
@@ -307,6 +400,8 @@ REPLY_TYPES: dict[Kind, object] = {
     Kind.SUBMIT: SubmitReply,
     Kind.POLL: PollReply,
     Kind.STATS: StatsReply,
+    Kind.SESSION_POLL: SessionPollReply,
+    Kind.CANCEL: CancelReply,
 }
 """The reply type (a struct or a tagged union) of each request kind that is answered."""
 

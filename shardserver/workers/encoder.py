@@ -33,6 +33,15 @@ most ``auth.key_share`` of the shard's arena (reservations plus results not
 delivered yet), of ``shards.max_pending`` and of
 ``shards.max_pending_request_bytes`` (:class:`OwnerUsage`); beyond it SUBMIT
 is refused with reason KEY_QUOTA (429), so one key cannot lock out another.
+
+Completions per sampling session (for the SDK's session-wide poller, ``retrieve_futures``):
+every future that leaves PENDING gets a stamp (``time.monotonic_ns()``, strictly increasing
+within the shard) and goes into its session's log, keyed by ``(sampling_session_id,
+seq_id // 10**9)`` (the SDK's ``cloned_sampler_id``). A SESSION_POLL returns a session's stamps
+in a range and forgets those the client's cursor has passed; an entry also leaves the log when
+its future leaves the table (TTL, eviction, ack, cancel), so the logs never hold more than the
+table. A pending future whose TTL passes becomes GONE (kept for ``futures.completed_ttl_s``) so
+that the poller reports it and the SDK resubmits.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import heapq
+import itertools
 import logging
 import os
 import signal
@@ -56,6 +66,9 @@ from ..engine_client import AttemptIds, EngineClient
 from ..errors import EngineBodyError, EngineError
 from ..ids import IdSigner
 from ..messages import (
+    CancelReply,
+    CancelRequest,
+    CompletionEvent,
     Delivered,
     ErrorReply,
     FutureState,
@@ -67,6 +80,8 @@ from ..messages import (
     PollRequest,
     RefusalReason,
     ResultForm,
+    SessionPollReply,
+    SessionPollRequest,
     StatsReply,
     StatsRequest,
     SubmitAccepted,
@@ -113,6 +128,18 @@ class FutureEntry:
     body_bytes: int = 0
     owner: str = ""               # the API key's owner tag (per-key shares, auth.key_share)
     charged: int = 0              # arena bytes counted against the owner's share
+    stamp: int = 0                # monotonic ns when it left PENDING (its place in the session's log)
+    expired: bool = False         # its pending TTL passed (counted as ``expired`` once)
+
+    @property
+    def session_key(self) -> tuple[str, int] | None:
+        """``(sampling_session_id, cloned_sampler_id)``: the SDK's poller target, or None."""
+        return None if self.key is None else (self.key[0], self.key[1] // CLONE_SEQ_SPAN)
+
+
+# The SDK numbers a cloned SamplingClient's requests from cloned_sampler_id * 10**9
+# (tinker 0.38 ``SamplingClient._request_id_counter``; FuturesRetrieveRequest's target docstring).
+CLONE_SEQ_SPAN = 1_000_000_000
 
 
 @dataclass(slots=True)
@@ -181,22 +208,54 @@ class EncoderCore:
         # Per-key shares (auth.mode = "keys"; the supervisor sets key_share to 1/keys when it is 0).
         self.key_share = cfg.auth.key_share if cfg.auth.mode == "keys" else 0.0
         self.owners: dict[str, OwnerUsage] = {}
+        # Completions not yet passed by their session's cursor: session key -> {fid: stamp}, in
+        # stamp order; and the one held SESSION_POLL of a session key, if any.
+        self.session_logs: dict[tuple[str, int], dict[str, int]] = {}
+        self.session_waiters: dict[tuple[str, int], asyncio.Future[bool]] = {}
+        self._last_stamp = 0
 
     # -- helpers -------------------------------------------------------------------------
-    def _set_deadline(self, e: FutureEntry, ttl: float) -> None:
-        e.deadline = time.monotonic() + ttl
+    def _set_deadline(self, e: FutureEntry, ttl: float, now: float | None = None) -> None:
+        e.deadline = (time.monotonic() if now is None else now) + ttl
         self._heap_seq += 1
         heapq.heappush(self._heap, (e.deadline, self._heap_seq, e.fid))
 
     def _set_state(self, e: FutureEntry, state: FutureState) -> None:
         """Move a future (still in the table) to ``state``, keeping the per-state counts that
-        STATS reports (O(1) per scrape instead of a walk over every future)."""
+        STATS reports (O(1) per scrape instead of a walk over every future). A future that leaves
+        PENDING goes into its session's completion log."""
         if e.fid in self.table:
             self.state_counts[e.state] -= 1
             self.state_counts[state] += 1
+            if e.state == FutureState.PENDING and state != FutureState.PENDING:
+                self._log_completion(e)
         if state != FutureState.PENDING:
             self._left_pending(e)
         e.state = state
+
+    def _log_completion(self, e: FutureEntry) -> None:
+        """Stamp ``e`` and append it to its session's log; wake that session's held SESSION_POLL."""
+        key = e.session_key
+        if key is None:
+            return
+        stamp = time.monotonic_ns()
+        if stamp <= self._last_stamp:
+            stamp = self._last_stamp + 1
+        self._last_stamp = e.stamp = stamp
+        log_ = self.session_logs.get(key)
+        if log_ is None:
+            log_ = self.session_logs[key] = {}
+        log_[e.fid] = stamp
+        w = self.session_waiters.pop(key, None)
+        if w is not None and not w.done():
+            w.set_result(True)
+
+    def _unlog(self, e: FutureEntry) -> None:
+        """Remove ``e`` from its session's completion log (it left the table)."""
+        key = e.session_key
+        log_ = self.session_logs.get(key) if key is not None else None
+        if log_ is not None and log_.pop(e.fid, None) is not None and not log_:
+            del self.session_logs[key]
 
     def _wake(self, e: FutureEntry) -> None:
         waiters, e.waiters = e.waiters, []
@@ -269,6 +328,7 @@ class EncoderCore:
             self._left_pending(e)
         if e.key is not None and self.by_key.get(e.key) == e.fid:
             del self.by_key[e.key]
+        self._unlog(e)
         self.eviction_queue.pop(e.fid, None)
         if e.task is not None and not e.task.done():
             e.task.cancel()
@@ -597,9 +657,84 @@ class EncoderCore:
             self.eviction_queue.move_to_end(fid)
         self._set_deadline(e, self.cfg.futures.retrieved_ttl_s)
 
+    # -- SESSION_POLL and CANCEL ---------------------------------------------------------
+    async def session_poll(self, req: SessionPollRequest) -> SessionPollReply:
+        """The completions of one session in this shard, for ``retrieve_futures``.
+
+        Frees the acknowledged futures of ``req.acks`` that belong to ``req.sid`` and are no
+        longer pending, forgets the session's completions stamped at or before ``req.after``,
+        and returns those stamped in ``(after, upto]`` (oldest first, at most ``limit``). With
+        nothing to return and ``timeout`` > 0 it holds (at most ``futures.long_poll_s``) until a
+        completion of the session arrives (``woke``), another SESSION_POLL for the session
+        supersedes it (``woke``), or the time is up.
+        """
+        key = (req.sid, req.clone)
+        old = self.session_waiters.pop(key, None)
+        if old is not None and not old.done():
+            old.set_result(True)  # superseded: its front-end has moved on
+        for fid in req.acks:
+            e = self.table.get(fid)
+            if e is not None and e.key is not None and e.key[0] == req.sid and e.state != FutureState.PENDING:
+                e.gone_reason = "retrieved and acknowledged by the client"
+                self._drop(e)
+                self.counters["acked"] += 1
+        log_ = self.session_logs.get(key)
+        events: list[CompletionEvent] = []
+        more = False
+        if log_:
+            after, upto, table = req.after, req.upto, self.table
+            seen = [fid for fid, stamp in itertools.takewhile(lambda kv: kv[1] <= after, log_.items())]
+            for fid in seen:
+                del log_[fid]
+            for fid, stamp in log_.items():
+                if stamp > upto:
+                    break
+                if len(events) >= req.limit:
+                    more = True
+                    break
+                e = table[fid]
+                ok = e.state == FutureState.DONE and e.slot is not None
+                events.append(CompletionEvent(fid=fid, stamp=stamp, ok=ok, size=e.slot.length if ok else 0))
+            if not log_:
+                del self.session_logs[key]
+        if events:
+            return SessionPollReply(events=events, more=more)
+        timeout = min(req.timeout, self.cfg.futures.long_poll_s)
+        if timeout <= 0:
+            return SessionPollReply()
+        log_ = self.session_logs.get(key)
+        if log_ and next(reversed(log_.values())) > req.after:
+            return SessionPollReply(woke=True)  # completions after upto exist already
+        w: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.session_waiters[key] = w
+        try:
+            woke = await asyncio.wait_for(w, timeout)
+        except asyncio.TimeoutError:
+            woke = False
+        finally:
+            if self.session_waiters.get(key) is w:
+                del self.session_waiters[key]
+        return SessionPollReply(woke=woke)
+
+    def cancel(self, req: CancelRequest) -> CancelReply:
+        """The client abandoned ``req.fid``: cancel its engine call (closing the engine connection
+        makes vLLM abort the request) or take it out of the engine queue, free its reservation or
+        result and forget it (polls then answer 410; the session's poller does not report it).
+        ``was`` is the state it was in, ``"unknown"`` when the shard does not hold it."""
+        e = self.table.get(req.fid)
+        if e is None:
+            return CancelReply(was="unknown")
+        was = e.state.value
+        e.gone_reason = "cancelled by the client"
+        self._drop(e)
+        self.counters[f"cancelled_{was}"] += 1
+        return CancelReply(was=was)
+
     # -- TTL sweep -----------------------------------------------------------------------
     def sweep(self, now: float | None = None) -> int:
-        """Drop entries whose TTL passed; returns how many."""
+        """Expire entries whose TTL passed: a pending one becomes GONE (kept for
+        ``futures.completed_ttl_s``, its engine call cancelled or never started), any other is
+        dropped. Returns how many."""
         now = time.monotonic() if now is None else now
         n = 0
         heap = self._heap
@@ -608,10 +743,24 @@ class EncoderCore:
             e = self.table.get(fid)
             if e is None or e.deadline != deadline:
                 continue
-            e.gone_reason = "expired"
-            self._drop(e)
-            self.counters["expired"] += 1
             n += 1
+            if e.state == FutureState.PENDING:
+                # Kept as GONE (polls answer 410) so the session's poller reports it; the engine
+                # call stops.
+                e.expired = True
+                if e.task is not None and not e.task.done():
+                    e.task.cancel()
+                self._release(e)
+                self._set_state(e, FutureState.GONE)
+                e.gone_reason = "expired (the engine did not answer within futures.pending_ttl_s)"
+                self._set_deadline(e, self.cfg.futures.completed_ttl_s, now)
+                self._wake(e)
+                self.counters["expired"] += 1
+                continue
+            if not e.expired:
+                self.counters["expired"] += 1
+            e.gone_reason = e.gone_reason or "expired"
+            self._drop(e)
         return n
 
     def stages(self) -> dict[str, int]:
@@ -644,7 +793,8 @@ class EncoderCore:
             engine_unavailable=getattr(self.engine, "unavailable", lambda: None)(),
         )
 
-    async def handle(self, msg: object, blob: bytes) -> SubmitReply | PollReply | StatsReply | ErrorReply | None:
+    async def handle(self, msg: object, blob: bytes) -> (SubmitReply | PollReply | StatsReply | SessionPollReply
+                                                          | CancelReply | ErrorReply | None):
         """Dispatch one decoded control message (see :mod:`shardserver.control`); None for DELIVERED."""
         if isinstance(msg, PollRequest):
             return await self.poll(msg)
@@ -655,6 +805,10 @@ class EncoderCore:
             return None
         if isinstance(msg, StatsRequest):
             return self.stats()
+        if isinstance(msg, SessionPollRequest):
+            return await self.session_poll(msg)
+        if isinstance(msg, CancelRequest):
+            return self.cancel(msg)
         return ErrorReply(message=f"unhandled control message {type(msg).__name__}")
 
     def close(self, why: str = "server shutting down") -> None:
