@@ -203,6 +203,14 @@ class FuturesConfig:
     long_poll_s: float = 25.0
     # TTL sweep period.
     sweep_interval_s: float = 1.0
+    # Serve POST /api/v1/retrieve_futures (the SDK's session-wide poller, tinker >= 0.26.2) and
+    # announce it in /client/config (``sample_use_retrieve_futures``).
+    retrieve_futures: bool = True
+    # Most completions one retrieve_futures answer lists (the rest come with the next poll).
+    retrieve_futures_max_ids: int = 1024
+    # Serve POST /api/v1/cancel_future and announce it in /client/dynamic_config
+    # (``sample_cancel_enabled``, tinker >= 0.26): an abandoned sample stops its engine request.
+    cancel_enabled: bool = True
 
     def validate(self) -> None:
         for f in ("pending_ttl_s", "completed_ttl_s", "retrieved_ttl_s", "sweep_interval_s"):
@@ -210,6 +218,8 @@ class FuturesConfig:
             _check(v, f"futures.{f}", v > 0, "must be > 0")
         _check(self.long_poll_s, "futures.long_poll_s", 0 < self.long_poll_s < 45,
                "must be > 0 and < 45 (the SDK abandons a poll after 45 s)")
+        _check(self.retrieve_futures_max_ids, "futures.retrieve_futures_max_ids",
+               1 <= self.retrieve_futures_max_ids <= 100_000, "must be 1..100000")
 
 
 @dataclass(frozen=True, slots=True)

@@ -290,6 +290,8 @@ _FIXED_ENDPOINTS = {
     "/api/v1/create_sampling_session": "create_sampling_session",
     "/api/v1/asample": "asample",
     "/api/v1/retrieve_future": "retrieve_future",
+    "/api/v1/retrieve_futures": "retrieve_futures",
+    "/api/v1/cancel_future": "cancel_future",
     "/api/v1/telemetry": "telemetry",
     "/healthz": "healthz",
     "/readyz": "readyz",

@@ -9,6 +9,7 @@
   ``session_heartbeat``, ``sessions/{id}/finish``, ``telemetry``,
   ``create_sampling_session``, ``samplers/{id}``.
 * :mod:`.sampling`: ``asample`` and ``retrieve_future``.
+* :mod:`.futures`: ``retrieve_futures`` (the SDK's session-wide poller) and ``cancel_future``.
 * :mod:`.ops`: ``/healthz``, ``/readyz``, ``/metrics``, ``/stats`` and the catch-all that
   answers 501 for the Tinker training endpoints.
 

@@ -1,6 +1,6 @@
 """Assembly of a front-end's FastAPI app: lifespan, middleware, exception handlers, routers.
 
-The handlers themselves live in :mod:`.ops`, :mod:`.sessions` and :mod:`.sampling`; they
+The handlers themselves live in :mod:`.ops`, :mod:`.sessions`, :mod:`.sampling` and :mod:`.futures`; they
 reach the process's :class:`~shardserver.api.state.FrontendContext` as
 ``request.app.state.frontend``. Routes are listed in README's API section.
 """
@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from starlette.middleware.errors import ServerErrorMiddleware
 
 from ..metrics import HttpMetricsMiddleware, count_auth_rejected
-from . import ops, sampling, sessions
+from . import futures, ops, sampling, sessions
 from .access_log import make_access_log
 from .auth import AuthMiddleware
 from .common import BodyError, validation_message
@@ -131,5 +131,6 @@ def create_app(ctx: FrontendContext) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(sessions.router)
     app.include_router(sampling.router)
+    app.include_router(futures.router)
     app.include_router(ops.fallback_router)
     return app

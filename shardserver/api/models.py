@@ -2,8 +2,9 @@
 
 Mirrors the SDK's pydantic request types (``tinker/types/sample_request.py``,
 ``sampling_params.py``, ``model_input.py``, ``create_session_request.py``,
-``create_sampling_session_request.py``, ``future_retrieve_request.py`` in
-tinker 0.38). Unknown fields are ignored (newer SDKs add fields); ``type``
+``create_sampling_session_request.py``, ``future_retrieve_request.py``,
+``futures_retrieve_request.py`` in tinker 0.38; ``cancel_future``'s body is the dict of
+``InternalClientHolder._send_cancel_request``). Unknown fields are ignored (newer SDKs add fields); ``type``
 fields are optional (SDKs before 0.20 omit them); values are validated
 strictly (a string where an int belongs is a 400, not coerced).
 """
@@ -22,6 +23,9 @@ __all__ = [
     "CreateSessionRequest",
     "CreateSamplingSessionRequest",
     "RetrieveFutureRequest",
+    "SamplingSessionFuturesTarget",
+    "RetrieveFuturesRequest",
+    "CancelFutureRequest",
     "UNSUPPORTED_SAMPLE_FIELDS",
 ]
 
@@ -94,3 +98,32 @@ class CreateSamplingSessionRequest(_Strict):
 class RetrieveFutureRequest(_Strict):
     request_id: str
     allow_metadata_only: bool = False
+
+
+class SamplingSessionFuturesTarget(_Strict):
+    """``target`` of ``retrieve_futures``: one sampling session, and which clone of its
+    SamplingClient (``cloned_sampler_id`` = ``seq_id // 10**9`` of its requests; 0 for the original)."""
+
+    type: Literal["sampling_session"] = "sampling_session"
+    sampling_session_id: str = Field(min_length=1)
+    cloned_sampler_id: int = Field(default=0, ge=0)
+
+
+class RetrieveFuturesRequest(_Strict):
+    """``POST /api/v1/retrieve_futures`` body (SDK ``FuturesRetrieveRequest``, 0.26.2+).
+
+    ``prev_cursor``: the ``cursor`` of the previous answer (0 at first); ``timeout``: absent or
+    null: hold up to ``futures.long_poll_s``; 0: answer at once (ack-only); ``retrieved_request_ids``:
+    futures whose results the client has fully retrieved (the server may free them).
+    """
+
+    target: SamplingSessionFuturesTarget
+    prev_cursor: int = Field(default=0, ge=0)
+    timeout: float | None = Field(default=None, ge=0)
+    retrieved_request_ids: list[str] = Field(default_factory=list)
+
+
+class CancelFutureRequest(_Strict):
+    """``POST /api/v1/cancel_future`` body: ``{"request_id": ...}`` (SDK 0.26+)."""
+
+    request_id: str

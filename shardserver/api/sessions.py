@@ -29,16 +29,25 @@ router = APIRouter()
 
 @router.post("/api/v1/client/config")
 async def client_config(request: Request) -> JSONResponse:
-    """``{"pjwt_auth_enabled": false}``: the SDK keeps sending its API key (no JWT exchange)."""
+    """``{"pjwt_auth_enabled": false}``: the SDK keeps sending its API key (no JWT exchange); plus
+    ``"sample_use_retrieve_futures": true`` when ``futures.retrieve_futures`` is on (SDK 0.26.2+
+    then waits on the session-wide poller, :mod:`shardserver.api.futures`; older SDKs ignore it)."""
     await read_json(request)
-    return JSONResponse({"pjwt_auth_enabled": False}, headers=context(request).fe_header)
+    ctx = context(request)
+    body: dict[str, bool] = {"pjwt_auth_enabled": False}
+    if ctx.cfg.futures.retrieve_futures:
+        body["sample_use_retrieve_futures"] = True
+    return JSONResponse(body, headers=ctx.fe_header)
 
 
 @router.post("/api/v1/client/dynamic_config")
 async def dynamic_config(request: Request) -> JSONResponse:
-    """``{}``: no dynamic settings."""
+    """``{"sample_cancel_enabled": true}`` when ``futures.cancel_enabled`` is on (SDK 0.26+ then sends
+    ``cancel_future`` for a sample its caller stopped waiting for), else ``{}``."""
     await read_json(request)
-    return JSONResponse({}, headers=context(request).fe_header)
+    ctx = context(request)
+    return JSONResponse({"sample_cancel_enabled": True} if ctx.cfg.futures.cancel_enabled else {},
+                        headers=ctx.fe_header)
 
 
 @router.post("/api/v1/create_session")

@@ -37,6 +37,7 @@ class FrontendContext:
         counters: this process's counters, shown by ``/stats``.
         ready_conn: pipe end on which the READY message goes to the supervisor (None after).
         draining: set once shutdown began (polls are not held any more).
+        drain_started: an event set with ``draining`` (held ``retrieve_futures`` polls wait on it).
         auth: the accepted API keys (digests only).
         fe_header: ``{"X-Shardserver-Front-End": str(index), "X-Shardserver-Host": server.host_id}``,
             the headers of most answers (HAProxy's health check compares the host with its server
@@ -55,6 +56,7 @@ class FrontendContext:
     counters: dict[str, int] = field(default_factory=FrontendCounters)  # bytes_delivered also feeds Prometheus
     ready_conn: Any = None
     draining: bool = False
+    drain_started: asyncio.Event = field(default_factory=asyncio.Event)
     auth: KeyTable = field(default_factory=KeyTable.open)  # the accepted API keys (digests only)
     fe_header: dict[str, str] = field(init=False)
     engine_windows: dict[str, int] = field(default_factory=dict)
@@ -112,6 +114,7 @@ class FrontendContext:
     def drain(self) -> None:
         """Shutdown has begun: release held polls (they answer 408 try_again) and refuse new holds."""
         self.draining = True
+        self.drain_started.set()
         for c in self.clients:
             c.release_polls(PollPending(draining=True))
 
