@@ -24,7 +24,7 @@ from .render import _cache_key, _head, _ids_for, _render_tail
 from .request import SimRequestError, _error_body, _parse_request, _Req
 from .wire import _dumps
 
-__all__ = ["make_app", "start_sim", "stop_sim", "run_process", "run_standalone"]
+__all__ = ["make_app", "start_sim", "stop_sim", "run_process", "run_standalone", "RUNNER_KWARGS"]
 
 logger = logging.getLogger("shardserver.engine_sim")
 
@@ -84,6 +84,7 @@ class _SimState:
             "completion_tokens": 0,
             "build_seconds": 0.0,
             "in_flight": 0,
+            "aborted": 0,
         }
 
     def set_config(self, config: SimConfig) -> None:
@@ -231,7 +232,13 @@ async def _completions_inner(request: web.Request, st: _SimState) -> web.StreamR
 
     delay = cfg.queue_delay_s + cfg.latency_s + cfg.per_token_latency_s * ntok
     if delay > 0:
-        await asyncio.sleep(delay)
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            # The client closed the connection before the answer (the runner cancels the
+            # handler, see RUNNER_KWARGS): vLLM aborts such a request; so does the simulator.
+            st.stats["aborted"] += 1
+            raise
 
     if terminal is not None and terminal.kind != "truncate":
         return _terminal_response(st, terminal, cfg)
@@ -384,6 +391,10 @@ async def _sim_reset(request: web.Request) -> web.Response:
     return _json_response(200, b'{"ok":true}')
 
 
+# aiohttp cancels a request's handler when its client disconnects (as vLLM aborts the request).
+RUNNER_KWARGS: dict[str, Any] = {"handler_cancellation": True}
+
+
 def make_app(config: SimConfig | None = None) -> web.Application:
     """The simulator as an aiohttp application.
 
@@ -394,7 +405,8 @@ def make_app(config: SimConfig | None = None) -> web.Application:
         ``GET /_sim/stats``: counters: ``requests``, ``by_status`` (status string ->
             count), ``body_bytes``, ``cache_hits``, ``cache_misses``, ``cache_entries``,
             ``cache_bytes``, ``faults`` (kind -> fired), ``completion_tokens``,
-            ``build_seconds``, ``in_flight``, ``counter``.
+            ``build_seconds``, ``in_flight``, ``aborted`` (requests whose client closed the
+            connection during the latency wait: vLLM aborts those), ``counter``.
         ``POST /_sim/reset``: zero the stats and the request counter, re-seed fault
             rules, clear the cache; ``{"restore_config": true}`` also restores the
             startup config.
@@ -432,7 +444,7 @@ async def start_sim(
     before closing their connections.
     """
     runner = web.AppRunner(make_app(config), access_log=None, handle_signals=False,
-                           shutdown_timeout=shutdown_timeout)
+                           shutdown_timeout=shutdown_timeout, **RUNNER_KWARGS)
     await runner.setup()
     if sock is None:
         site: web.BaseSite = web.TCPSite(runner, host, port, backlog=backlog)
