@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 SDK024 := .venv-sdk024
 SDK015 := .venv-sdk015
+SDK026 := .venv-sdk026
 PIP_FLAGS := --quiet --disable-pip-version-check
 
 .PHONY: demo test bench clean haproxy
@@ -24,6 +25,12 @@ $(SDK015)/.installed:
 	$(SDK015)/bin/pip install $(PIP_FLAGS) 'tinker==0.15.0'
 	touch $@
 
+# 0.26.2: the first release with the session-wide retrieve_futures poller and cancel_future.
+$(SDK026)/.installed:
+	$(PYTHON) -m venv $(SDK026)
+	$(SDK026)/bin/pip install $(PIP_FLAGS) 'tinker==0.26.2'
+	touch $@
+
 # HAProxy >= 2.6 (Debian package) for the multi-host tests in tests/multihost/; installed when
 # missing (needs root, as in CI), left alone when present.
 haproxy:
@@ -34,7 +41,7 @@ haproxy:
 demo: $(VENV)/.installed
 	$(VENV)/bin/shardserver demo --config configs/demo.toml
 
-test: $(VENV)/.installed $(SDK024)/.installed $(SDK015)/.installed haproxy
+test: $(VENV)/.installed $(SDK024)/.installed $(SDK015)/.installed $(SDK026)/.installed haproxy
 	SHARDSERVER_OLD_SDKS_REQUIRED=1 $(VENV)/bin/python -m pytest
 
 bench: $(VENV)/.installed
@@ -43,4 +50,4 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/run_load.py --scenario burst-32k --quick
 
 clean:
-	rm -rf $(VENV) $(SDK024) $(SDK015) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(SDK024) $(SDK015) $(SDK026) .pytest_cache .hypothesis build *.egg-info
