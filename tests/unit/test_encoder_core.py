@@ -16,7 +16,17 @@ import pytest
 from shardserver.config import config_from_mapping
 from shardserver.engine_sim import SimConfig, render_completion
 from shardserver.ids import IdSigner
-from shardserver.messages import PollGone, PollRequest, RefusalReason, SubmitRefused, SubmitRequest
+from shardserver.messages import (
+    CancelReply,
+    CancelRequest,
+    PollGone,
+    PollRequest,
+    RefusalReason,
+    SessionPollReply,
+    SessionPollRequest,
+    SubmitRefused,
+    SubmitRequest,
+)
 from shardserver.metrics import future_stages
 from shardserver.shm.arena import ArenaWriter, create_segment, segment_name, unlink_segment
 from shardserver.workers.encoder import EncoderCore
@@ -51,10 +61,10 @@ def core():
     unlink_segment(name)
 
 
-def _meta(seq: int, max_tokens: int, n: int = 1) -> tuple[SubmitRequest, bytes]:
+def _meta(seq: int, max_tokens: int, n: int = 1, sid: str = "s") -> tuple[SubmitRequest, bytes]:
     body = {"model": "m", "prompt": [seq % 50, 7], "n": n, "max_tokens": max_tokens, "temperature": 1.0,
             "top_p": 1.0, "top_k": -1, "logprobs": 1, "return_token_ids": True, "seed": seq}
-    meta = SubmitRequest(sid="s", seq=seq, owner="", n=n, prompt_logprobs=False, topk=0,
+    meta = SubmitRequest(sid=sid, seq=seq, owner="", n=n, prompt_logprobs=False, topk=0,
                          reserve_bytes=n * (8 * max_tokens + 32) + 32)
     return meta, json.dumps(body).encode()
 
@@ -217,3 +227,142 @@ def test_key_usage_follows_each_future_to_the_end():
     finally:
         arena.close()
         unlink_segment(name)
+
+
+# -- the session-wide poller (SESSION_POLL) and CANCEL ----------------------------------------------
+def _sp(sid="s", clone=0, after=0, upto=None, limit=100, acks=(), timeout=0.0) -> SessionPollRequest:
+    import time
+
+    return SessionPollRequest(sid=sid, clone=clone, after=after, upto=time.monotonic_ns() if upto is None else upto,
+                              limit=limit, acks=list(acks), timeout=timeout)
+
+
+def test_session_poll_reports_each_completion_once_per_session_and_clone(core):
+    async def go():
+        rids = [core.submit(*_meta(i, 10)).request_id for i in range(3)]
+        other = core.submit(*_meta(5, 10, sid="t")).request_id               # another session
+        clone = core.submit(*_meta(2 * 10**9 + 1, 10)).request_id            # clone 2 of session s
+        await asyncio.sleep(0.05)
+        r = await core.session_poll(_sp())
+        assert [e.fid for e in r.events] == rids and not r.more and not r.woke
+        stamps = [e.stamp for e in r.events]
+        assert stamps == sorted(stamps) and len(set(stamps)) == 3
+        for e in r.events:  # finished, with the proto's exact size
+            assert e.ok and e.size == core.table[e.fid].slot.length
+        assert [e.fid for e in (await core.session_poll(_sp(sid="t"))).events] == [other]
+        assert [e.fid for e in (await core.session_poll(_sp(clone=2))).events] == [clone]
+        # upto bounds the answer; limit cuts it (more); after forgets what the client has seen.
+        assert [e.fid for e in (await core.session_poll(_sp(upto=stamps[1]))).events] == rids[:2]
+        r = await core.session_poll(_sp(limit=2))
+        assert [e.fid for e in r.events] == rids[:2] and r.more
+        r = await core.session_poll(_sp(after=stamps[0]))
+        assert [e.fid for e in r.events] == rids[1:]
+        assert list(core.session_logs[("s", 0)]) == rids[1:]
+        assert (await core.session_poll(_sp(after=stamps[2]))) == SessionPollReply()
+        assert ("s", 0) not in core.session_logs and rids[0] in core.table  # forgotten by the log, still held
+        _check_stages(core)
+
+    asyncio.run(go())
+
+
+def test_session_poll_acks_free_results_of_that_session_only(core):
+    async def go():
+        core.engine.gate = asyncio.Event()
+        pending = core.submit(*_meta(1, 10)).request_id
+        core.engine.gate.set()
+        await asyncio.sleep(0.05)
+        done = core.submit(*_meta(2, 10)).request_id
+        theirs = core.submit(*_meta(3, 10, sid="t")).request_id
+        await asyncio.sleep(0.05)
+        used = core.arena.used_bytes
+        slot = core.table[done].slot
+        await core.session_poll(_sp(acks=[done, theirs, "f-unknown"]))
+        assert done not in core.table and theirs in core.table and core.counters["acked"] == 1
+        assert core.arena.used_bytes == used - ArenaWriter.slot_bytes(slot.length)
+        assert await core.poll(PollRequest(fid=done)) == PollGone(reason="unknown or expired future (its result was "
+                                                                         "not kept)")
+        assert [e.fid for e in (await core.session_poll(_sp())).events] == [pending]
+        _check_stages(core)
+
+    asyncio.run(go())
+
+
+def test_session_poll_holds_until_a_completion_or_a_newer_poll(core):
+    async def go():
+        import time
+
+        core.engine.gate = asyncio.Event()
+        t0 = time.monotonic()
+        assert await core.session_poll(_sp(timeout=0.2)) == SessionPollReply()   # nothing came: timed out
+        assert 0.15 < time.monotonic() - t0 < 2
+        core.submit(*_meta(1, 10))
+        held = asyncio.ensure_future(core.session_poll(_sp(timeout=20)))
+        await asyncio.sleep(0.05)
+        assert not held.done() and ("s", 0) in core.session_waiters
+        core.engine.gate.set()                                                   # the completion arrives
+        assert await asyncio.wait_for(held, 5) == SessionPollReply(woke=True)
+        assert core.session_waiters == {}
+        # A completion newer than `after` but past `upto` wakes at once; a newer poll supersedes.
+        assert await core.session_poll(_sp(upto=1, timeout=20)) == SessionPollReply(woke=True)
+        stamp = next(iter(core.session_logs[("s", 0)].values()))
+        held = asyncio.ensure_future(core.session_poll(_sp(after=stamp, timeout=20)))
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        assert await core.session_poll(_sp(after=stamp)) == SessionPollReply()
+        assert await asyncio.wait_for(held, 5) == SessionPollReply(woke=True)
+
+    asyncio.run(go())
+
+
+def test_cancel_pending_stops_the_engine_call_and_frees_the_reservation(core):
+    async def go():
+        core.engine.gate = asyncio.Event()  # the engine never answers
+        rid = core.submit(*_meta(1, 1000)).request_id
+        await asyncio.sleep(0.01)
+        task = core.table[rid].task
+        assert core.reserved_bytes == ArenaWriter.slot_bytes(8 * 1000 + 64)
+        waiting = asyncio.ensure_future(core.poll(PollRequest(fid=rid, timeout=20)))
+        await asyncio.sleep(0.01)
+        assert core.cancel(CancelRequest(fid=rid)) == CancelReply(was="pending")
+        await asyncio.sleep(0)
+        assert task.cancelled()
+        assert core.reserved_bytes == 0 and core.arena.used_bytes == 0 and rid not in core.table
+        assert await asyncio.wait_for(waiting, 5) == PollGone(reason="cancelled by the client")
+        assert core.cancel(CancelRequest(fid=rid)) == CancelReply(was="unknown")
+        assert core.session_logs == {}  # a cancelled future is not reported to the poller
+        assert core.counters["cancelled_pending"] == 1
+        # A completed one: its result is freed.
+        core.engine.gate.set()
+        done = core.submit(*_meta(2, 10)).request_id
+        await asyncio.sleep(0.05)
+        assert core.arena.used_bytes > 0
+        assert core.cancel(CancelRequest(fid=done)) == CancelReply(was="done")
+        assert core.arena.used_bytes == 0 and core.session_logs == {}
+        _check_stages(core)
+
+    asyncio.run(go())
+
+
+def test_pending_ttl_makes_the_future_gone_and_reports_it(core):
+    async def go():
+        import time
+
+        core.engine.gate = asyncio.Event()
+        rid = core.submit(*_meta(1, 10)).request_id
+        await asyncio.sleep(0.01)
+        task = core.table[rid].task
+        assert core.sweep(time.monotonic() + core.cfg.futures.pending_ttl_s + 1) == 1
+        await asyncio.sleep(0)
+        assert task.cancelled() and core.reserved_bytes == 0
+        e = core.table[rid]
+        assert e.state == "gone" and e.gone_reason.startswith("expired")
+        assert await core.poll(PollRequest(fid=rid)) == PollGone(reason=e.gone_reason)
+        r = await core.session_poll(_sp())
+        assert [(ev.fid, ev.ok, ev.size) for ev in r.events] == [(rid, False, 0)]
+        assert core.counters["expired"] == 1
+        # Dropped after futures.completed_ttl_s, counted as expired once.
+        assert core.sweep(time.monotonic() + core.cfg.futures.pending_ttl_s + core.cfg.futures.completed_ttl_s + 2) == 1
+        assert core.table == {} and core.counters["expired"] == 1 and core.session_logs == {}
+        _check_stages(core)
+
+    asyncio.run(go())

@@ -14,6 +14,9 @@ import pytest
 from shardserver.control import ControlClient, Frame, encode_frame, read_frame, serve_control
 from shardserver.errors import ControlError
 from shardserver.messages import (
+    CancelReply,
+    CancelRequest,
+    CompletionEvent,
     ControlProtocolError,
     Delivered,
     EngineOutage,
@@ -28,6 +31,8 @@ from shardserver.messages import (
     PollRequest,
     RefusalReason,
     ResultForm,
+    SessionPollReply,
+    SessionPollRequest,
     StatsReply,
     StatsRequest,
     SubmitAccepted,
@@ -67,6 +72,17 @@ CASES = [
     (Kind.REPLY, Kind.POLL, PollGone(reason="evicted"), b""),
     (Kind.REPLY, Kind.STATS, STATS, b""),
     (Kind.REPLY, Kind.STATS, msgspec.structs.replace(STATS, engine=None), b""),
+    (Kind.SESSION_POLL, None, SessionPollRequest(sid="ss-abc", clone=7, after=10**15, upto=10**15 + 9, limit=512,
+                                                 acks=["f0badcafe-a", "f0badcafe-b"], timeout=25.0), b""),
+    (Kind.SESSION_POLL, None, SessionPollRequest(sid="ss-abc", upto=1, limit=1), b""),
+    (Kind.CANCEL, None, CancelRequest(fid="f0badcafe-c"), b""),
+    (Kind.REPLY, Kind.SESSION_POLL, SessionPollReply(events=[
+        CompletionEvent(fid="f0badcafe-a", stamp=10**15 + 1, ok=True, size=262150),
+        CompletionEvent(fid="f0badcafe-b", stamp=10**15 + 2, ok=False)], more=True), b""),
+    (Kind.REPLY, Kind.SESSION_POLL, SessionPollReply(woke=True), b""),
+    (Kind.REPLY, Kind.SESSION_POLL, SessionPollReply(), b""),
+    (Kind.REPLY, Kind.CANCEL, CancelReply(was="pending"), b""),
+    (Kind.REPLY, Kind.CANCEL, CancelReply(was="unknown"), b""),
 ]
 
 
@@ -133,6 +149,26 @@ def test_exact_field_values_after_decoding():
                                           "url": "http://e/v1/completions"}
 
 
+def test_session_poll_wire_form():
+    """Completions travel as compact arrays (fid, stamp, ok, size); request defaults stay off the wire."""
+    reply = SessionPollReply(events=[CompletionEvent(fid="fa", stamp=5, ok=True, size=300),
+                                     CompletionEvent(fid="fb", stamp=6, ok=False)])
+    assert msgspec.msgpack.decode(encode_meta(reply)) == {"events": [["fa", 5, True, 300], ["fb", 6, False, 0]]}
+    assert msgspec.msgpack.decode(encode_meta(SessionPollRequest(sid="s", upto=9, limit=2))) == \
+        {"sid": "s", "upto": 9, "limit": 2}
+    back = decode_reply(Kind.SESSION_POLL, encode_meta(reply))
+    assert [(e.fid, e.stamp, e.ok, e.size) for e in back.events] == [("fa", 5, True, 300), ("fb", 6, False, 0)]
+    assert (back.more, back.woke) == (False, False)
+    with pytest.raises(ControlProtocolError, match="missing required field `upto`"):
+        decode_request(Kind.SESSION_POLL, msgspec.msgpack.encode({"sid": "s", "limit": 1}))
+    with pytest.raises(ControlProtocolError, match="unknown field `ackz`"):
+        decode_request(Kind.SESSION_POLL, msgspec.msgpack.encode({"sid": "s", "upto": 1, "limit": 1, "ackz": []}))
+    with pytest.raises(ControlProtocolError, match=r"Expected `array`, got `str` - at `\$.acks`"):
+        decode_request(Kind.SESSION_POLL, msgspec.msgpack.encode({"sid": "s", "upto": 1, "limit": 1, "acks": "f"}))
+    with pytest.raises(ControlProtocolError, match="malformed reply to CANCEL"):
+        decode_reply(Kind.CANCEL, encode_meta(PollPending()))
+
+
 def test_poll_tags_are_the_future_states():
     for msg, state in ((PollDone(arena="a", offset=0, length=1, generation=1, form=ResultForm.PROTO), FutureState.DONE),
                        (PollPending(), FutureState.PENDING),
@@ -197,7 +233,8 @@ def test_error_replies_keep_the_connection_and_fold_into_each_reply_type():
 
     async def handler(msg, blob):
         seen.append((msg, blob))
-        if isinstance(msg, (SubmitRequest, PollRequest, StatsRequest)) and getattr(msg, "sid", "") != "ok":
+        if isinstance(msg, (SubmitRequest, PollRequest, StatsRequest, SessionPollRequest, CancelRequest)) \
+                and getattr(msg, "sid", "") != "ok":
             raise RuntimeError("boom")
         return SubmitAccepted(request_id="f-ok")
 
@@ -216,6 +253,11 @@ def test_error_replies_keep_the_connection_and_fold_into_each_reply_type():
                 error="internal error: boom", category="server")
             with pytest.raises(ControlError, match="encoder 0 could not answer STATS: internal error: boom"):
                 await client.stats(timeout=5)
+            with pytest.raises(ControlError, match="could not answer SESSION_POLL: internal error: boom"):
+                await client.session_poll(SessionPollRequest(sid="s", upto=1, limit=1), timeout=5)
+            with pytest.raises(ControlError, match="could not answer CANCEL: internal error: boom"):
+                await client.cancel("f-x", timeout=5)
+            assert seen[-1] == (CancelRequest(fid="f-x"), b"")
             # An unknown kind with a tag is answered (ERROR), and the connection stays up.
             assert await client.request(Kind.ERROR, StatsRequest(), timeout=5) == ErrorReply(
                 message="unknown control message kind 129")
