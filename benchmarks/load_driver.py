@@ -25,6 +25,18 @@ Rules followed (spec §4.5 ``asample``, §4.6 ``retrieve_future``):
   ``0.5 * 2**attempt`` s (+-25 %, <= 10 s); 402 -> sleep 5 s; anything else fatal;
   timeout / connection error -> sleep ``min(2**n, 30)`` s and poll again.
 
+Poller mode (scenario key ``mode = "poller"``; spec §4.7, SDK 0.38 ``SessionFuturesPoller``):
+each driver process runs one session-wide poller, ``retrieve_futures`` on its own connection
+(the SDK's dedicated ``RETRIEVE_FUTURES`` pool): body ``{"target": {"type": "sampling_session",
+"sampling_session_id", "cloned_sampler_id": 0}, "prev_cursor", "retrieved_request_ids"}`` plus
+``"timeout": 0`` when no sample waits (an ack-only poll, 5 s client timeout; else 45 s); it
+idles while nothing waits and nothing is left to acknowledge. A sample submits, waits for its
+request id in the poller's completions, then fetches the result with ``retrieve_future``
+(``allow_metadata_only: false`` when the completion gave a size) and is acknowledged in the
+next poll. Poller errors: timeouts, connection errors, 408/409/429/5xx -> sleep 1 s and poll
+again; 400 with a body -> the same, at most 3 times in a row; anything else fails every waiting
+sample.
+
 Every result is verified: the body is parsed with the SDK's own generated proto module
 (``tinker.proto.tinker_public_pb2.SampleResponse``), and each sequence's ``tokens`` (int32 LE)
 and ``logprobs`` (float32 LE) bytes and ``stop_reason`` are compared byte-for-byte with what
@@ -61,7 +73,9 @@ RETRY_KINDS = (
     "asample_429", "asample_timeout", "asample_conn_error", "asample_other",   # asample: 408/409/5xx
     "poll_408", "poll_200_try_again", "poll_complete_metadata", "poll_5xx", "poll_429", "poll_400",
     "poll_timeout", "poll_conn_error", "poll_410", "poll_402",
-    "resubmit_410", "resubmit_asample_timeout", "heartbeat_error", "other",
+    "resubmit_410", "resubmit_asample_timeout",
+    "futures_timeout", "futures_conn_error", "futures_status",   # the poller's retried polls (poller mode)
+    "heartbeat_error", "other",
 )
 _KIND_INDEX = {k: i for i, k in enumerate(RETRY_KINDS)}
 P_KIND0 = 5
@@ -78,6 +92,8 @@ def retry_slot(kind: str) -> int:
         return P_KIND0 + _KIND_INDEX["poll_5xx"]
     if kind == "poll_400_empty":
         return P_KIND0 + _KIND_INDEX["poll_400"]
+    if kind.startswith("futures_") and kind[8:].isdigit():
+        return P_KIND0 + _KIND_INDEX["futures_status"]
     return P_KIND0 + _KIND_INDEX["other"]
 
 
@@ -145,6 +161,7 @@ class DriverResult:
     t_go: float = 0.0       # time.time() at go
     t_end: float = 0.0      # time.time() when the last sample finished
     cpu_s: float = 0.0      # this driver process's CPU seconds during the run
+    poller_polls: int = 0   # retrieve_futures calls after go (poller mode)
 
 
 class _Fatal(Exception):
@@ -160,6 +177,110 @@ class _Gone(Exception):
 
 class _Resubmit(Exception):
     pass
+
+
+class SessionPoller:
+    """The driver's session-wide poller (poller mode), after SDK 0.38 ``SessionFuturesPoller``.
+
+    :meth:`wait_for` blocks a sample until the poller has seen its request complete and returns
+    the completion (``{"state", "request_id", "response_payload_uncompressed_size"?}``);
+    :meth:`mark_retrieved` queues an acknowledgement for the next poll.
+    """
+
+    def __init__(self, driver: "Driver", session: Any) -> None:
+        self.d = driver
+        self.session = session
+        self.cursor = 0
+        self.acked_cursor = 0
+        self.events: dict[str, asyncio.Event] = {}
+        self.completions: dict[str, dict[str, Any]] = {}
+        self.retrieved: set[str] = set()
+        self.failure: str | None = None
+        self.has_work = asyncio.Event()
+        self.polls = 0
+        self.task = asyncio.create_task(self.loop())
+
+    async def wait_for(self, rid: str) -> dict[str, Any]:
+        """The completion of ``rid``. Raises _Fatal when the poller failed or the run's deadline passed."""
+        c = self.completions.pop(rid, None)
+        if c is not None:
+            return c
+        if self.failure is not None:
+            raise _Fatal("poller", self.failure)
+        ev = self.events[rid] = asyncio.Event()
+        self.has_work.set()
+        try:
+            await asyncio.wait_for(ev.wait(), max(0.0, self.d.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise _Fatal("deadline", f"waiting on the poller for {rid}") from None
+        finally:
+            self.events.pop(rid, None)
+        c = self.completions.pop(rid, None)
+        if c is None:
+            raise _Fatal("poller", self.failure or "woken without a completion")
+        return c
+
+    def mark_retrieved(self, rid: str) -> None:
+        self.retrieved.add(rid)
+        self.has_work.set()
+
+    def _fail(self, why: str) -> None:
+        self.failure = why
+        for ev in self.events.values():
+            ev.set()
+
+    async def loop(self) -> None:
+        import aiohttp
+
+        d = self.d
+        target = {"type": "sampling_session", "sampling_session_id": d.sid, "cloned_sampler_id": 0}
+        extra = {"x-stainless-raw-response": "raw"}
+        n400 = 0
+        while True:  # until run() cancels it
+            if not self.events and not self.retrieved and self.cursor <= self.acked_cursor:
+                self.has_work.clear()
+                try:
+                    await asyncio.wait_for(self.has_work.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            retrieved = set(self.retrieved)
+            ack_only = not self.events
+            body: dict[str, Any] = {"target": target, "prev_cursor": self.cursor,
+                                    "retrieved_request_ids": sorted(retrieved)}
+            if ack_only:
+                body["timeout"] = 0
+            t = aiohttp.ClientTimeout(total=5.0 if ack_only else 45.0)
+            self.polls += 1
+            try:
+                st, _, b = await d._post(self.session, "/api/v1/retrieve_futures", body,
+                                         {**extra, "x-stainless-read-timeout": "5" if ack_only else "45"}, t)
+            except asyncio.TimeoutError:
+                d.count("futures_timeout")
+                await asyncio.sleep(1)
+                continue
+            except (aiohttp.ClientError, OSError):
+                d.count("futures_conn_error")
+                await asyncio.sleep(1)
+                continue
+            if st != 200:
+                d.count(f"futures_{st}")
+                if st in (408, 409, 429) or st >= 500 or (st == 400 and (not b or n400 < 3)):
+                    n400 += st == 400 and bool(b)
+                    await asyncio.sleep(1)
+                    continue
+                self._fail(f"retrieve_futures answered {st}: {b[:300].decode(errors='replace')}")
+                return
+            n400 = 0
+            js = json.loads(b)
+            self.retrieved -= retrieved
+            self.acked_cursor = max(self.acked_cursor, body["prev_cursor"])
+            self.cursor = js["cursor"]
+            for c in js["completions"]:
+                self.completions[c["request_id"]] = c
+                ev = self.events.pop(c["request_id"], None)
+                if ev is not None:
+                    ev.set()
 
 
 class Driver:
@@ -183,6 +304,7 @@ class Driver:
         self.seq = 0
         self.sid = ""
         self.session_id = ""
+        self.poller: SessionPoller | None = None   # poller mode: started in run()
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def count(self, kind: str, retry: bool = True) -> None:
@@ -294,14 +416,15 @@ class Driver:
             raise _Fatal(f"asample_{st}", b[:300].decode(errors="replace"))
         raise _Fatal("asample_bound", "too many asample attempts")
 
-    async def _poll(self, session: Any, rid: str, rtt: float) -> bytes:
-        """retrieve_future until a result; returns the proto body. Raises _Gone on 410, _Fatal otherwise."""
+    async def _poll(self, session: Any, rid: str, rtt: float, allow_meta: bool = True) -> bytes:
+        """retrieve_future until a result; returns the proto body. Raises _Gone on 410, _Fatal otherwise.
+
+        ``allow_meta``: the first poll's ``allow_metadata_only`` (False after the poller gave a size)."""
         import aiohttp
 
         t = aiohttp.ClientTimeout(total=None, connect=self.poll_timeout, sock_read=self.poll_timeout)
         n = 0
         n400 = 0
-        allow_meta = True
         base = {"Accept": PROTO, "X-Tinker-Request-Type": "Sample", "x-stainless-raw-response": "raw",
                 "x-stainless-read-timeout": str(int(self.poll_timeout)), "x-sdk-version": SDK_VERSION,
                 "x-sdk-method": "SamplingClient.sample_async"}
@@ -408,7 +531,15 @@ class Driver:
                 seq = self.seq
                 try:
                     rid, rtt = await self._asample(session, i, seq)
-                    body = await self._poll(session, rid, rtt)
+                    allow_meta = True
+                    if self.poller is not None:
+                        c = await self.poller.wait_for(rid)
+                        allow_meta = not c.get("response_payload_uncompressed_size")
+                    try:
+                        body = await self._poll(session, rid, rtt, allow_meta)
+                    finally:
+                        if self.poller is not None:
+                            self.poller.mark_retrieved(rid)
                 except _Resubmit:
                     self.count("resubmit_asample_timeout")
                     continue
@@ -462,8 +593,13 @@ class Driver:
         self.prepare()
         conn = aiohttp.TCPConnector(limit=self.connections, limit_per_host=self.connections,
                                     keepalive_timeout=60, force_close=False)
+        poll_session = None
         async with aiohttp.ClientSession(connector=conn, auto_decompress=True) as session:
             await self.setup(session)
+            if self.spec.get("mode", "per_request") == "poller":
+                # Its own connection, like the SDK's dedicated RETRIEVE_FUTURES pool.
+                poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), auto_decompress=True)
+                self.poller = SessionPoller(self, poll_session)
             await self.warmup(session)
             ready.put(self.res.index)
             loop = asyncio.get_running_loop()
@@ -473,6 +609,8 @@ class Driver:
             else:
                 raise RuntimeError("no go signal within 600 s")
             self.deadline = time.monotonic() + float(self.spec["time_limit_s"])
+            if self.poller is not None:
+                self.poller.polls = 0
             hb = asyncio.create_task(self.heartbeat(session))
             self.res.t_go = time.time()
             t_go = time.monotonic()
@@ -495,6 +633,15 @@ class Driver:
                 await asyncio.wait(set(tasks))
             self.res.t_end = time.time()
             self.res.cpu_s = time.process_time() - c0
+            if self.poller is not None:
+                self.res.poller_polls = self.poller.polls
+                self.poller.task.cancel()
+                try:
+                    await self.poller.task
+                except asyncio.CancelledError:
+                    pass
+                assert poll_session is not None
+                await poll_session.close()
             hb.cancel()
             try:
                 await hb

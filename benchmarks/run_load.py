@@ -80,6 +80,10 @@ DEFAULTS: dict[str, Any] = {
     "requests_per_shard": None,    # when set: requests = requests_per_shard * S
     "concurrency_per_shard": None,  # when set: concurrency = connections = concurrency_per_shard * S
     "reference": True,             # also run S=1, F=1
+    "mode": "per_request",         # how samples wait: "per_request" (a held retrieve_future each, SDK <= 0.26.1
+                                   # or without the server's flag) or "poller" (one retrieve_futures per
+                                   # driver process, then one retrieve_future per completed sample; SDK 0.26.2+)
+    "modes": None,                 # list of modes: one run of each per shard count (overrides "mode")
     "poll_timeout_s": 45.0,        # client timeout per retrieve_future (s), as the SDK with plain httpx
     "max_polls": 100000,           # bound on retrieve_future calls per future
     "max_resubmits": 10,           # bound on 410-triggered resubmits per sample
@@ -619,14 +623,16 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
     me = os.getpid()
     print(f"\n== {label}: {spec['requests']} x {spec['tokens']} tokens, "
           f"{spec['concurrency']} in flight, {spec['connections']} connections, engine delay "
-          f"{spec['engine_delay_s']} s ({spec['engine_delay_kind']})", file=sys.stderr, flush=True)
+          f"{spec['engine_delay_s']} s ({spec['engine_delay_kind']}), {spec.get('mode', 'per_request')} mode",
+          file=sys.stderr, flush=True)
     # The server inherits the server cores; we (and the driver processes we spawn) keep the driver cores.
     os.sched_setaffinity(me, cores["server"])
     try:
         server = RunningServer(env=env, start_timeout=120).__enter__()
     finally:
         os.sched_setaffinity(me, cores["driver"])
-    record: dict[str, Any] = {"label": label, "shards": shards, "front_ends": front_ends,
+    record: dict[str, Any] = {"label": label, "mode": spec.get("mode", "per_request"), "shards": shards,
+                              "front_ends": front_ends,
                               "requests": spec["requests"], "tokens": spec["tokens"],
                               "concurrency": spec["concurrency"], "connections": spec["connections"],
                               "engine_delay_s": spec["engine_delay_s"], "driver_procs": driver_procs}
@@ -769,6 +775,7 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
             "ttr_max_s": max(lat) if lat else None,
             "bytes_delivered": bytes_delivered,
             "bytes_per_result": round(bytes_delivered / max(done, 1)),
+            "poller_polls": sum(r.poller_polls for r in res),
             "retries": {k: v for k, v in sorted(counters.items()) if not k.startswith("fail_")},
             "failures_by_kind": {k[5:]: v for k, v in sorted(counters.items()) if k.startswith("fail_")},
             "first_errors": [e for r in res for e in r.first_errors][:10],
@@ -828,6 +835,8 @@ def table(runs: list[dict[str, Any]]) -> str:
     lines = [head, "|" + "---|" * 16]
     for r in runs:
         retr = ", ".join(f"{k} {v}" for k, v in r["retries"].items()) or "0"
+        if r.get("poller_polls"):
+            retr += f" ({r['poller_polls']} retrieve_futures calls)"
         lines.append(f"| {r['label']} | {r['shards']} | {r['front_ends']} | {r['results']} | {r['failures']} "
                      f"| {r['results_per_s']} | {r['server_cpu_ms_per_result']} | {r['server_cpu_cores_busy']} "
                      f"| {_mib(r['peak_pss_bytes'])} | {_mib(r['peak_rss_bytes'])} | {_mib(r['peak_arena_used_bytes'])} "
@@ -1210,12 +1219,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{driver_procs} driver process(es)", file=sys.stderr, flush=True)
     runs: list[dict[str, Any]] = []
     failed_harness = False
-    plan = [(s, f, f"S={s} F={f}") for s in counts for f in [resolve_front_ends(spec, s, args.front_ends)]]
+    modes = list(spec.get("modes") or [spec.get("mode", "per_request")])
+    for m in modes:
+        if m not in ("per_request", "poller"):
+            raise SystemExit(f"unknown mode {m!r} (per_request or poller)")
+    tag = (lambda m: f" {m}") if len(modes) > 1 or modes != ["per_request"] else (lambda m: "")
+    plan = [(s, f, f"S={s} F={f}{tag(m)}", m) for m in modes for s in counts
+            for f in [resolve_front_ends(spec, s, args.front_ends)]]
     if spec.get("reference") and not args.no_reference:
-        plan.append((1, 1, "reference S=1 F=1"))
-    for s, f, label in plan:
+        plan.append((1, 1, f"reference S=1 F=1{tag(modes[0])}", modes[0]))
+    for s, f, label, mode in plan:
         try:
-            runs.append(run_one(spec, s, f, label, cores, driver_procs, not args.no_progress,
+            runs.append(run_one({**spec, "mode": mode}, s, f, label, cores, driver_procs, not args.no_progress,
                                 [x.strip() for x in args.profile.split(",") if x.strip()], out_dir, stem,
                                 args.profile_rate, args.profile_args.split()))
         except Exception as exc:  # noqa: BLE001 - report and go on with the next run
