@@ -64,6 +64,8 @@ def test_retry_slots_and_driver_counts() -> None:
     assert load_driver.retry_slot("poll_503") == idx["poll_5xx"]
     assert load_driver.retry_slot("poll_400_empty") == idx["poll_400"]
     assert load_driver.retry_slot("something_new") == idx["other"]
+    assert load_driver.retry_slot("futures_503") == idx["futures_status"]
+    assert load_driver.retry_slot("futures_timeout") == idx["futures_timeout"]
     assert load_driver.N_SLOTS == k0 + len(load_driver.RETRY_KINDS)
     # A driver's count() lands in its own row: the total and the kind's slot.
     progress = [0] * (2 * load_driver.N_SLOTS)
@@ -141,3 +143,36 @@ def test_monitor_engine_body_and_bare_parse_on_a_real_gateway(server) -> None:
     assert json.loads(body)["choices"] == local["choices"]
     bp = run_load.bare_parse(body, 5)
     assert bp["n"] == 5 and bp["body_bytes"] == len(body) and 0 <= bp["ms_min"] <= bp["ms"] <= bp["ms_max"]
+
+
+def test_driver_poller_mode_on_a_real_gateway(server) -> None:
+    """Poller mode: 24 samples in flight over 2 connections; each waits on the driver's one
+    retrieve_futures poller, then fetches its result once (no held retrieve_future), verified."""
+    import asyncio
+
+    import aiohttp
+
+    spec = {**run_load.DEFAULTS, "requests": 24, "tokens": 48, "distinct": 4, "mode": "poller"}
+    progress = [0] * load_driver.N_SLOTS
+    drv = load_driver.Driver(server.url, spec, list(range(24)), 24, 2, progress, 0, time.monotonic() + 60)
+    drv.prepare()
+
+    async def go() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2)) as session, \
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as poll_session:
+            await drv.setup(session)
+            drv.poller = load_driver.SessionPoller(drv, poll_session)
+            t0 = time.monotonic()
+            await asyncio.gather(*(drv.one(session, i, t0) for i in range(24)))
+            for _ in range(100):  # the last acknowledgements go out with an ack-only poll (bounded wait)
+                if not drv.poller.retrieved and drv.poller.cursor <= drv.poller.acked_cursor:
+                    break
+                await asyncio.sleep(0.05)
+            drv.poller.task.cancel()
+            await asyncio.gather(drv.poller.task, return_exceptions=True)
+
+    asyncio.run(go())
+    assert (drv.res.done, drv.res.failures, drv.res.first_errors) == (24, 0, [])
+    assert drv.counters == {}                          # no retry of any kind, no held poll answered 408
+    assert 1 <= drv.poller.polls <= 48 and drv.poller.completions == {} and drv.poller.retrieved == set()
+    assert progress[load_driver.P_DONE] == 24
