@@ -314,3 +314,32 @@ def test_sdk_038_cancels_an_abandoned_sample(slow_server):
     assert _shard_sum(slow_server.url, "arena_reserved_bytes") == 0
     assert _http_count(slow_server.url, "cancel_future") == cancels + 1
     service.holder.close()
+
+
+def test_sigterm_releases_a_held_poller_at_once():
+    """Shutdown answers a held retrieve_futures at once (empty, cursor unchanged), not a 500 at
+    the end of the graceful period."""
+    import signal
+
+    env = {"SHARDSERVER_SIMULATOR__LATENCY_S": "30", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_SERVER__GRACEFUL_SHUTDOWN_S": "5"}
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        api.submit(ssid, [3, 1], 1)  # pending for 30 s
+        box: dict = {}
+
+        def hold() -> None:
+            box["r"] = _poll(api, ssid, 0)
+            box["t"] = time.monotonic()
+
+        th = threading.Thread(target=hold)
+        th.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        th.join(15)
+        assert s.proc.wait(15) == 0
+    assert box["r"] == (200, {"completions": [], "cursor": 0})
+    assert box["t"] - t0 < 4.0  # before the 5 s graceful period ends
+    assert not any("Traceback" in line for line in s.log_lines)
