@@ -10,6 +10,12 @@ package). Routing is configuration, not code of ours:
   server names therefore *are* the host ids. This backend checks ``GET /healthz`` (process
   up): an owner that is alive but not ready (its engine unreachable) still serves its
   finished results.
+* ``cancel_future`` (same ``request_id`` body) goes to the owner the same way, so a cancelled
+  sample's engine request is stopped on the host that runs it.
+* ``client/config`` is answered by HAProxy itself, ``{"pjwt_auth_enabled": false}`` without
+  ``sample_use_retrieve_futures``: the session-wide poller (``retrieve_futures``) asks one host
+  for all of a session's futures, but ``asample`` spreads them over the hosts, so behind the
+  balancer the SDK keeps polling each future at its owner.
 * Everything else (``asample``, sessions, ...) goes to backend ``gateways``: the host that
   answers ``GET /readyz`` with 200 (encoders up, engine reachable) and has the fewest
   connections (``balance leastconn``). The host that accepts an ``asample`` owns its future.
@@ -155,7 +161,10 @@ defaults
 
 frontend tinker
     bind {bind}
-    use_backend owners if {{ path /api/v1/retrieve_future }}
+    # The session-wide poller needs every future of a session on one host; asample spreads them over
+    # the hosts. So the balancer answers client/config itself, without sample_use_retrieve_futures.
+    http-request return status 200 content-type application/json string '{{"pjwt_auth_enabled":false}}' if {{ path /api/v1/client/config }}
+    use_backend owners if {{ path /api/v1/retrieve_future /api/v1/cancel_future }}
     default_backend gateways
 
 # asample and everything else: the ready host (GET /readyz: encoders up, engine reachable)
@@ -166,7 +175,7 @@ backend gateways
 {check}
 {servers}
 
-# retrieve_future: the future's owner, named by the second field of request_id
+# retrieve_future and cancel_future: the future's owner, named by the second field of request_id
 # (f<run>-<host_id>-<random>-<mac>), while its process is up (GET /healthz), ready or not: it may
 # hold finished results while its engine is unreachable. Owner down: the live host with the
 # fewest connections answers 410 (another host's future) and the SDK resubmits the sample.

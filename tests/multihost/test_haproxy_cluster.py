@@ -7,6 +7,8 @@ interval); HAProxy runs in the foreground as a subprocess. Checked:
   hosts; every poll reached the future's owner (per host, from ``/metrics``: retrieve_future
   200s equal the asample 200s, no 410 and no 404 anywhere);
 * a host with the wrong ``server.host_id`` fails HAProxy's health check and gets no traffic;
+* HAProxy answers ``client/config`` without the session-wide poller (a session's futures live
+  on several hosts) and routes ``cancel_future`` to the owner;
 * a host whose engine is unreachable (not ready) gets no new samples but still serves the
   finished results it owns (h3 runs against a standalone engine simulator that is killed);
 * SIGKILL of one host mid-burst: every sample completes exactly, no error reaches the user (live
@@ -237,6 +239,26 @@ def test_sdk024_burst_through_haproxy_reaches_owners(cluster):
     before = cluster.all_counts()
     finish_burst(start_burst(py, cluster.haproxy.url, 128), 128, "0.24.1")
     assert_polls_reached_owners(delta(cluster.all_counts(), before), 128)
+
+
+@pytest.mark.timeout(120)
+def test_balancer_keeps_sdks_off_the_poller_and_cancels_at_the_owner(cluster):
+    """Each host announces the session-wide poller, but a session's futures are spread over the
+    hosts: HAProxy answers client/config itself without it. cancel_future reaches the owner."""
+    url = cluster.haproxy.url
+    st, _, b = http_json(url + "/api/v1/client/config", {"sdk_version": "0.38.0"})
+    assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False})
+    st, _, b = http_json(cluster.servers["h1"].url + "/api/v1/client/config", {"sdk_version": "0.38.0"})
+    assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": True})
+    api = Api(url)
+    ssid = api.sampling_session()
+    rids = [api.submit(ssid, [5, i], seq_id=i, max_tokens=TOKENS) for i in range(9)]
+    assert len({future_host(r) for r in rids}) >= 2, rids  # spread over the hosts (leastconn)
+    for rid in rids:
+        st, _, b = api.post("/api/v1/cancel_future", {"request_id": rid})
+        assert st == 200 and json.loads(b)["cancelled"] is True, (rid, st, b)
+        st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": rid})
+        assert st == 410  # its owner forgot it
 
 
 @pytest.mark.timeout(120)
