@@ -620,6 +620,8 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
         f"SHARDSERVER_SIMULATOR__{spec['engine_delay_kind'].upper()}": str(float(spec["engine_delay_s"])),
         **{k: str(v) for k, v in dict(spec.get("extra_env") or {}).items()},
     }
+    if spec.get("mode") == "poller":
+        env["SHARDSERVER_FUTURES__RETRIEVE_FUTURES"] = "true"  # off by default (see FuturesConfig)
     me = os.getpid()
     print(f"\n== {label}: {spec['requests']} x {spec['tokens']} tokens, "
           f"{spec['concurrency']} in flight, {spec['connections']} connections, engine delay "

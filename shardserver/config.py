@@ -204,8 +204,11 @@ class FuturesConfig:
     # TTL sweep period.
     sweep_interval_s: float = 1.0
     # Serve POST /api/v1/retrieve_futures (the SDK's session-wide poller, tinker >= 0.26.2) and
-    # announce it in /client/config (``sample_use_retrieve_futures``).
-    retrieve_futures: bool = True
+    # announce it in /client/config (``sample_use_retrieve_futures``). Off by default: a poller-mode
+    # SDK learns of a future only from the server, so samples in flight when the server restarts
+    # (or an encoder dies) are never reported and wait until the caller's own timeout; per-request
+    # polling gets 410 and resubmits.
+    retrieve_futures: bool = False
     # Most completions one retrieve_futures answer lists (the rest come with the next poll).
     retrieve_futures_max_ids: int = 1024
     # Serve POST /api/v1/cancel_future and announce it in /client/dynamic_config

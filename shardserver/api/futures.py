@@ -25,9 +25,10 @@ poll runs in up to three steps, each a SESSION_POLL to every shard:
 3. When a shard woke: collect again (step 1, no acks) and answer that.
 
 A shard that is down (restarting) or does not answer makes the poll answer 503, which the SDK
-retries after 1 s with the same cursor and acks, so no completion is skipped. The one thing
-the poller cannot report is a future lost with a SIGKILLed encoder (its log goes with it): the
-SDK's wait for it ends only by the caller's own timeout.
+retries after 1 s with the same cursor and acks, so no completion is skipped. What the poller
+cannot report is a future the server forgot: one in flight when the gateway restarted or its
+encoder died (the log goes with it); the SDK's wait for it ends only by the caller's own
+timeout. That is why ``futures.retrieve_futures`` is off by default.
 
 ``POST /api/v1/cancel_future`` (tinker >= 0.26, when ``/client/dynamic_config`` says
 ``sample_cancel_enabled``; the SDK sends it when the caller stops waiting for a sample): the

@@ -30,9 +30,13 @@ def _submit(api, ssid, prompt, *, n=1, max_tokens=8, seed=3, seq_id=0, **extra):
 
 def test_setup_endpoints(api):
     st, h, b = api.post("/api/v1/client/config", {"sdk_version": "0.38.0"})
-    assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": True})
+    assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False})
     st, _, b = api.post("/api/v1/client/dynamic_config", {"sdk_version": "0.38.0"})
     assert (st, json.loads(b)) == (200, {"sample_cancel_enabled": True})
+    # The session-wide poller is off unless futures.retrieve_futures is set (tests/e2e/test_poller.py).
+    st, _, b = api.post("/api/v1/retrieve_futures", {"target": {"sampling_session_id": "x"}, "prev_cursor": 0})
+    assert (st, json.loads(b)) == (404, {"error": "retrieve_futures is disabled on this server "
+                                                  "(futures.retrieve_futures = false)"})
     st, _, b = api.post("/api/v1/create_session", {"tags": [], "user_metadata": {}, "type": "create_session"})
     assert st == 200
     sess = json.loads(b)

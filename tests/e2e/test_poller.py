@@ -25,6 +25,18 @@ from shardserver.testing import RunningServer, http_json
 
 pytestmark = [pytest.mark.timeout(180)]
 
+POLLER_ON = {"SHARDSERVER_FUTURES__RETRIEVE_FUTURES": "true"}  # off by default (see FuturesConfig)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """This module's gateway: as conftest's (S=2, F=2), with the session-wide poller on."""
+    with RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "2",
+                            "SHARDSERVER_SHARDS__ARENA_BYTES": str(64 * 1024 * 1024), **POLLER_ON}) as s:
+        yield s
+    assert s.proc is not None and s.proc.returncode == 0, "\n".join(s.log_lines[-30:])
+    assert not s.leftover_processes
+
 
 def _http_count(url: str, endpoint: str, code: str = "200") -> int:
     """``shardserver_http_requests_total`` of ``endpoint`` and ``code``, over every front-end (/metrics)."""
@@ -202,7 +214,7 @@ def test_poller_cap_per_answer_and_failed_state(tmp_path):
     twice; an engine failure is reported as ``failed``."""
     cfg = tmp_path / "c.toml"
     cfg.write_text('[shards]\ncount = 2\narena_bytes = 8388608\n[server]\nfront_ends = 1\n'
-                   '[futures]\nretrieve_futures_max_ids = 4\n[simulator]\nmodel_name = "Qwen/Qwen3-8B"\n'
+                   '[futures]\nretrieve_futures = true\nretrieve_futures_max_ids = 4\n[simulator]\nmodel_name = "Qwen/Qwen3-8B"\n'
                    '[[simulator.faults]]\nkind = "status"\nfirst_token_id = 9001\nstatus = 500\n')
     with RunningServer(cfg) as s:
         api = Api(s.url)
@@ -265,7 +277,8 @@ def test_cancel_over_http(server, api):
 @pytest.fixture(scope="module")
 def slow_server():
     env = {"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "2",
-           "SHARDSERVER_SHARDS__ARENA_BYTES": str(16 * 1024 * 1024), "SHARDSERVER_SIMULATOR__LATENCY_S": "30"}
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(16 * 1024 * 1024), "SHARDSERVER_SIMULATOR__LATENCY_S": "30",
+           **POLLER_ON}
     with RunningServer(env=env) as s:
         yield s
     assert s.proc is not None and s.proc.returncode == 0
@@ -322,7 +335,7 @@ def test_sigterm_releases_a_held_poller_at_once():
     import signal
 
     env = {"SHARDSERVER_SIMULATOR__LATENCY_S": "30", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
-           "SHARDSERVER_SERVER__GRACEFUL_SHUTDOWN_S": "5"}
+           "SHARDSERVER_SERVER__GRACEFUL_SHUTDOWN_S": "5", **POLLER_ON}
     with RunningServer(env=env) as s:
         api = Api(s.url)
         ssid = api.sampling_session()

@@ -55,7 +55,10 @@ ENGINE_HOST = "h3"  # runs against a standalone engine simulator (the others emb
 def host_env(host_id: str, engine_port: int = 0) -> dict[str, str]:
     env = {"SHARDSERVER_SERVER__HOST_ID": host_id, "SHARDSERVER_SERVER__ID_SECRET": SECRET,
            "SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
-           "SHARDSERVER_SHARDS__ARENA_BYTES": str(32 * 1024 * 1024), **SIM_ENV}
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(32 * 1024 * 1024),
+           # Each host announces the session-wide poller; HAProxy keeps it from the SDKs (a
+           # session's futures are spread over the hosts), which the SDK bursts rely on.
+           "SHARDSERVER_FUTURES__RETRIEVE_FUTURES": "true", **SIM_ENV}
     if engine_port:
         env.update({"SHARDSERVER_ENGINE__URL": f"http://127.0.0.1:{engine_port}",
                     "SHARDSERVER_ENGINE__HEALTH_INTERVAL_S": "0.2"})

@@ -145,17 +145,29 @@ def test_monitor_engine_body_and_bare_parse_on_a_real_gateway(server) -> None:
     assert bp["n"] == 5 and bp["body_bytes"] == len(body) and 0 <= bp["ms_min"] <= bp["ms"] <= bp["ms_max"]
 
 
-def test_driver_poller_mode_on_a_real_gateway(server) -> None:
+def test_driver_poller_mode_on_a_real_gateway() -> None:
     """Poller mode: 24 samples in flight over 2 connections; each waits on the driver's one
     retrieve_futures poller, then fetches its result once (no held retrieve_future), verified."""
-    import asyncio
-
-    import aiohttp
+    from shardserver.testing import RunningServer
 
     spec = {**run_load.DEFAULTS, "requests": 24, "tokens": 48, "distinct": 4, "mode": "poller"}
     progress = [0] * load_driver.N_SLOTS
-    drv = load_driver.Driver(server.url, spec, list(range(24)), 24, 2, progress, 0, time.monotonic() + 60)
-    drv.prepare()
+    env = {"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_FUTURES__RETRIEVE_FUTURES": "true"}  # as run_load.py sets it in poller mode
+    with RunningServer(env=env) as server:
+        drv = load_driver.Driver(server.url, spec, list(range(24)), 24, 2, progress, 0, time.monotonic() + 60)
+        drv.prepare()
+        _drive_poller_mode(drv)
+    assert (drv.res.done, drv.res.failures, drv.res.first_errors) == (24, 0, [])
+    assert drv.counters == {}                          # no retry of any kind, no held poll answered 408
+    assert 1 <= drv.poller.polls <= 48 and drv.poller.completions == {} and drv.poller.retrieved == set()
+    assert progress[load_driver.P_DONE] == 24
+
+
+def _drive_poller_mode(drv) -> None:
+    import asyncio
+
+    import aiohttp
 
     async def go() -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2)) as session, \
@@ -172,7 +184,3 @@ def test_driver_poller_mode_on_a_real_gateway(server) -> None:
             await asyncio.gather(drv.poller.task, return_exceptions=True)
 
     asyncio.run(go())
-    assert (drv.res.done, drv.res.failures, drv.res.first_errors) == (24, 0, [])
-    assert drv.counters == {}                          # no retry of any kind, no held poll answered 408
-    assert 1 <= drv.poller.polls <= 48 and drv.poller.completions == {} and drv.poller.retrieved == set()
-    assert progress[load_driver.P_DONE] == 24
