@@ -15,6 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Integer fields that cross the control channel (msgspec int64) are bounded here, so an
+# out-of-range value is a 400 naming the field, not a 500 when the frame is encoded.
+INT64_MAX = 2**63 - 1
+
 __all__ = [
     "EncodedTextChunk",
     "ModelInput",
@@ -62,7 +66,7 @@ class SampleRequest(_Strict):
     """``POST /api/v1/asample`` body (SDK ``SampleRequest``)."""
 
     sampling_session_id: str = Field(min_length=1)
-    seq_id: int | None = Field(default=None, ge=0)
+    seq_id: int | None = Field(default=None, ge=0, le=INT64_MAX)
     num_samples: int = Field(default=1, ge=1)
     prompt: ModelInput
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
@@ -90,7 +94,7 @@ class CreateSessionRequest(_Strict):
 
 class CreateSamplingSessionRequest(_Strict):
     session_id: str = Field(min_length=1)
-    sampling_session_seq_id: int = Field(default=0, ge=0)
+    sampling_session_seq_id: int = Field(default=0, ge=0, le=INT64_MAX)
     base_model: str | None = None
     model_path: str | None = None
 
@@ -106,7 +110,7 @@ class SamplingSessionFuturesTarget(_Strict):
 
     type: Literal["sampling_session"] = "sampling_session"
     sampling_session_id: str = Field(min_length=1)
-    cloned_sampler_id: int = Field(default=0, ge=0)
+    cloned_sampler_id: int = Field(default=0, ge=0, le=INT64_MAX)
 
 
 class RetrieveFuturesRequest(_Strict):
@@ -118,7 +122,7 @@ class RetrieveFuturesRequest(_Strict):
     """
 
     target: SamplingSessionFuturesTarget
-    prev_cursor: int = Field(default=0, ge=0)
+    prev_cursor: int = Field(default=0, ge=0, le=INT64_MAX)
     timeout: float | None = Field(default=None, ge=0)
     retrieved_request_ids: list[str] = Field(default_factory=list)
 

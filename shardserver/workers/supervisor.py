@@ -182,7 +182,7 @@ def _run_engine_sim(sim_cfg: dict[str, Any], **kwargs: Any) -> None:
 
 
 class Supervisor:
-    """Runs one gateway instance. ``run()`` blocks until SIGTERM/SIGINT or :meth:`request_stop`.
+    """Runs one gateway instance. ``run()`` blocks until SIGTERM, SIGINT or SIGHUP (the same clean shutdown), or :meth:`request_stop`.
 
     Args:
         cfg: the validated configuration.
@@ -369,7 +369,7 @@ class Supervisor:
     def run(self) -> int:
         """Start everything, supervise until a stop signal, shut down. Returns the exit code."""
         cfg = self.cfg
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
             self._log_id_secret()
             self._raise_nofile_limit()

@@ -205,6 +205,15 @@ def test_asample_semantic_errors(api):
     assert st == 400 and "max_num_samples" in json.loads(b)["error"]
 
 
+def test_integers_beyond_int64_are_400_naming_the_field(api):
+    """seq_id of 2^64 used to pass validation and fail as a 500 when the control frame was encoded."""
+    ssid = api.sampling_session()
+    st, _, b = _submit(api, ssid, [1], seq_id=2**64)
+    assert st == 400 and "seq_id" in json.loads(b)["error"]
+    st, _, b = _submit(api, ssid, [1], seq_id=2**63 - 1)
+    assert st == 200 and json.loads(b)["request_id"].startswith("f")
+
+
 def test_oversized_body_is_413(api, server):
     """A Content-Length over server.max_request_bytes is refused before the body is read."""
     import socket

@@ -245,6 +245,11 @@ def test_poller_errors(server, api):
     assert st == 400 and "target" in json.loads(b)["error"]
     st, _, b = api.post("/api/v1/retrieve_futures", {"target": {"sampling_session_id": ssid}, "prev_cursor": -1})
     assert st == 400
+    for field, where in (("prev_cursor", None), ("cloned_sampler_id", "target")):
+        body = {"target": {"sampling_session_id": ssid}, "prev_cursor": 0, "timeout": 0}
+        (body[where] if where else body)[field] = 2**70  # used to be a 500 (msgspec int64 overflow) or cursor 0
+        st, _, b = api.post("/api/v1/retrieve_futures", body)
+        assert st == 400 and field in json.loads(b)["error"], (field, st, b)
     # A cursor from the future (another clock) starts over instead of hiding completions.
     rid = api.submit(ssid, [8, 8], seq_id=1)
     time.sleep(0.5)

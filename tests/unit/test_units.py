@@ -267,7 +267,7 @@ def test_reader_never_returns_bytes_of_a_reused_slot():
     either returns the exact bytes that were committed (CRC matches) or raises SlotInvalidError."""
     import multiprocessing as mp
 
-    name = segment_name(os.getpid(), "5eq10c4d", random.randrange(10**6), 0)
+    name = segment_name(os.getpid(), "5e910c4d", random.randrange(10**6), 0)
     create_segment(name, 256 * 1024)  # small: offsets are reused constantly
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
