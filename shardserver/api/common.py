@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from .state import context
+from ..ids import FutureIdStatus
+from .state import FrontendContext, context
 
 __all__ = ["BodyError", "error", "read_json", "json_nesting", "MAX_JSON_NESTING", "validation_message", "TIMED_OUT_SCOPE_KEY", "WAIT_WRITTEN_SCOPE_KEY",
            "CLIENT_CLOSED"]
@@ -127,3 +128,26 @@ async def read_json(request: Request) -> Any:
     if body.count(b"[") + body.count(b"{") > MAX_JSON_NESTING and json_nesting(body) > MAX_JSON_NESTING:
         raise nested
     return doc
+
+
+def refuse_future_id(ctx: FrontendContext, fid: str, owner: str, endpoint: str, then: str = "") -> JSONResponse | None:
+    """The answer to a future ID this front-end must not pass to a shard, or None when it may.
+
+    404 for an ID this run never issued (bad MAC, or another API key's), 410 for one of an earlier
+    run or of another gateway host (docs/MULTI_HOST.md). Counts ``<endpoint>_404`` /
+    ``<endpoint>_410`` (and ``<endpoint>_410_other_host``). ``then`` is appended to the 410
+    messages (e.g. ``"; resubmit"`` where the SDK resubmits the sample).
+    """
+    status = ctx.signer.check_future_id(fid, owner)
+    if status == FutureIdStatus.OK:
+        return None
+    if status == FutureIdStatus.INVALID:
+        ctx.count(f"{endpoint}_404")
+        return error(404, f"unknown future {fid[:80]!r}: this server never issued it")
+    ctx.count(f"{endpoint}_410")
+    if status == FutureIdStatus.FOREIGN_HOST:  # its owner is down (or the balancer ignores owners)
+        ctx.count(f"{endpoint}_410_other_host")
+        why = "future is owned by another gateway host, which is unreachable"
+    else:
+        why = "future was issued by an earlier run of the server"
+    return JSONResponse({"error": why + then}, status_code=410, headers=ctx.fe_header)

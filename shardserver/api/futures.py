@@ -50,7 +50,7 @@ from ..errors import ControlError, EncoderDeadError
 from ..ids import FutureIdStatus, shard_of
 from ..messages import CompletionEvent, SessionPollReply, SessionPollRequest
 from .auth import owner_of
-from .common import error, read_json
+from .common import error, read_json, refuse_future_id
 from .models import CancelFutureRequest, RetrieveFuturesRequest
 from .state import FrontendContext, context
 
@@ -187,14 +187,9 @@ async def cancel_future(request: Request) -> JSONResponse:
         return error(404, "cancel_future is disabled on this server (futures.cancel_enabled = false)")
     req = CancelFutureRequest.model_validate(await read_json(request))
     fid = req.request_id
-    status = ctx.signer.check_future_id(fid, owner_of(request))
-    if status == FutureIdStatus.INVALID:
-        ctx.count("cancel_404")
-        return error(404, f"unknown future {fid[:80]!r}: this server never issued it")
-    if status == FutureIdStatus.FOREIGN_RUN:
-        ctx.count("cancel_410")
-        return JSONResponse({"error": "future was issued by an earlier run of the server"}, status_code=410,
-                            headers=ctx.fe_header)
+    refused = refuse_future_id(ctx, fid, owner_of(request), "cancel")
+    if refused is not None:
+        return refused
     shard = shard_of(fid, ctx.cfg.shards.count)
     try:
         reply = await ctx.clients[shard].cancel(fid, timeout=_CONTROL_TIMEOUT_S)

@@ -28,7 +28,7 @@ from ..codec import max_sample_response_size, sample_response_to_json
 from ..config import EngineConfig
 from ..engine_request import completion_request_body, context_window
 from ..errors import EncoderDeadError, SlotInvalidError
-from ..ids import FutureIdStatus, shard_of
+from ..ids import shard_of
 from ..metrics import count_asample_refused
 from ..messages import (
     PollDone,
@@ -41,7 +41,7 @@ from ..messages import (
     SubmitRequest,
 )
 from .auth import owner_of
-from .common import WAIT_WRITTEN_SCOPE_KEY, error, read_json
+from .common import WAIT_WRITTEN_SCOPE_KEY, error, read_json, refuse_future_id
 from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
 from .state import FrontendContext, context
 
@@ -251,19 +251,9 @@ async def retrieve_future(request: Request) -> Response:
     fe_header = ctx.fe_header
     req = RetrieveFutureRequest.model_validate(await read_json(request))
     fid = req.request_id
-    status = ctx.signer.check_future_id(fid, owner_of(request))
-    if status == FutureIdStatus.INVALID:
-        ctx.count("retrieve_404")
-        return error(404, f"unknown future {fid[:80]!r}: this server never issued it")
-    if status == FutureIdStatus.FOREIGN_RUN:
-        ctx.count("retrieve_410")
-        return JSONResponse({"error": "future was issued by an earlier run of the server; resubmit"},
-                            status_code=410, headers=fe_header)
-    if status == FutureIdStatus.FOREIGN_HOST:  # its owner is down (or the balancer ignores owners)
-        ctx.count("retrieve_410")
-        ctx.count("retrieve_410_other_host")
-        return JSONResponse({"error": "future is owned by another gateway host, which is unreachable; resubmit"},
-                            status_code=410, headers=fe_header)
+    refused = refuse_future_id(ctx, fid, owner_of(request), "retrieve", "; resubmit")
+    if refused is not None:
+        return refused
     shard = shard_of(fid, shards)
     want = ResultForm.PROTO if PROTO_MEDIA_TYPE in request.headers.get("accept", "") else ResultForm.JSON
     client = ctx.clients[shard]

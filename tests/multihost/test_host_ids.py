@@ -91,6 +91,10 @@ def test_two_hosts_410_for_the_other_hosts_future_404_for_an_edited_one():
         assert (st, hdr["x-shardserver-host"]) == (410, "ha"), body
         assert "another gateway host" in json.loads(body)["error"]
         assert a.stats()["counters"].get("retrieve_410_other_host") == 1
+        # cancel_future on the wrong host is refused the same way (nothing reaches its shards).
+        st, _, body = api_a.post("/api/v1/cancel_future", {"request_id": fid})
+        assert st == 410 and "another gateway host" in json.loads(body)["error"], body
+        assert a.stats()["counters"].get("cancel_410_other_host") == 1
         # Editing the host part does not get the result served anywhere: host b (the issuer)
         # answers 404; host a, now named, sees an ID of another run and answers 410.
         edited = _edit_host(fid, "ha")
