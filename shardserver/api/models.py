@@ -11,13 +11,18 @@ strictly (a string where an int belongs is a 400, not coerced).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 # Integer fields that cross the control channel (msgspec int64) are bounded here, so an
 # out-of-range value is a 400 naming the field, not a 500 when the frame is encoded.
 INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
 
 __all__ = [
     "EncodedTextChunk",
@@ -51,15 +56,82 @@ class ModelInput(_Strict):
     chunks: list[dict[str, Any]] = Field(min_length=1)
 
 
-class SamplingParams(_Strict):
-    """Sampling parameters, forwarded to vLLM's ``CompletionRequest`` fields of the same names."""
+def _out_of_range(what: str, value: Any) -> PydanticCustomError:
+    """The 400 detail for a value outside its range: ``"must be <what>, got <value>"``."""
+    return PydanticCustomError("out_of_range", "must be {what}, got {value}", {"what": what, "value": value})
 
-    max_tokens: int | None = Field(default=None, ge=1)
+
+class SamplingParams(_Strict):
+    """Sampling parameters, forwarded to vLLM's ``CompletionRequest`` fields of the same names.
+
+    Each numeric field is refused (400 naming the field and its range) unless the engine takes it,
+    so a bad value never reaches vLLM as a 400/422 the SDK reports late, or crashes it. The ranges
+    are those of vLLM 0.30's ``CompletionRequest`` / ``SamplingParams`` and of vllm-router's typed
+    ``CompletionRequest`` in front of it (``/work/shared/spec/vllm_completions.md`` §1):
+
+    * ``temperature``: a finite number in [0, 2] (vLLM: "temperature must be in [0, 2]"; NaN and
+      infinities are refused too, vLLM cannot even serialize its own error about them).
+    * ``top_p``: a finite number in (0, 1] (vLLM's check).
+    * ``top_k``: an integer in [-1, 2^31 - 1] (vLLM: -1, 0 or >= 1; the router's type is i32).
+    * ``max_tokens``: an integer in [1, 2^32 - 1] (vLLM: >= 1; the router's type is u32); the
+      context window bounds it further (:mod:`shardserver.api.sampling`).
+    * ``seed``: an integer in [-2^63, 2^63 - 1] (vLLM: ``ge=_LONG_INFO.min, le=_LONG_INFO.max``,
+      ``torch.iinfo(torch.long)``; the router's type is i64).
+    * ``stop`` as token ids: each in [0, 2^31 - 1] (the router's ``stop_token_ids`` is Vec<i32>;
+      token ids are int32 throughout the gateway).
+    """
+
+    max_tokens: int | None = None
     seed: int | None = None
     stop: str | list[str] | list[int] | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_k: int = Field(default=-1, ge=-1)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not (math.isfinite(v) and 0.0 <= v <= 2.0):
+            raise _out_of_range("a finite number in [0, 2]", v)
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not (math.isfinite(v) and 0.0 < v <= 1.0):
+            raise _out_of_range("a finite number in (0, 1]", v)
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if not -1 <= v <= INT32_MAX:
+            raise _out_of_range("an integer in [-1, 2147483647] (-1 or 0: off)", v)
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= UINT32_MAX:
+            raise _out_of_range("unset or an integer in [1, 4294967295]", v)
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not INT64_MIN <= v <= INT64_MAX:
+            raise _out_of_range("unset or an integer in [-9223372036854775808, 9223372036854775807] (int64)", v)
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | list[int] | None) -> str | list[str] | list[int] | None:
+        if isinstance(v, list):
+            for t in v:
+                if isinstance(t, int) and not 0 <= t <= INT32_MAX:
+                    raise _out_of_range("a string, a list of strings or a list of token ids in [0, 2147483647]",
+                                        f"token id {t}")
+        return v
 
 
 class SampleRequest(_Strict):

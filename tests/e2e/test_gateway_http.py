@@ -287,3 +287,47 @@ def test_model_names_are_bounded(api):
     sid = json.loads(b)["session_id"]
     st, _, b = api.post("/api/v1/create_sampling_session", {"session_id": sid, "base_model": "m" * 600})
     assert st == 400 and "at most 512" in json.loads(b)["error"]
+
+
+_RANGE_INT64 = "unset or an integer in [-9223372036854775808, 9223372036854775807] (int64)"
+
+
+@pytest.mark.parametrize("params,status,message", [
+    ({"temperature": float("nan")}, 400,
+     "sampling_params.temperature: must be a finite number in [0, 2], got nan"),
+    ({"temperature": float("inf")}, 400,
+     "sampling_params.temperature: must be a finite number in [0, 2], got inf"),
+    ({"temperature": 2.5}, 400, "sampling_params.temperature: must be a finite number in [0, 2], got 2.5"),
+    ({"temperature": -0.1}, 400, "sampling_params.temperature: must be a finite number in [0, 2], got -0.1"),
+    ({"top_p": float("nan")}, 400, "sampling_params.top_p: must be a finite number in (0, 1], got nan"),
+    ({"top_p": 0.0}, 400, "sampling_params.top_p: must be a finite number in (0, 1], got 0.0"),
+    ({"top_k": -2}, 400, "sampling_params.top_k: must be an integer in [-1, 2147483647] (-1 or 0: off), got -2"),
+    ({"top_k": 2**31}, 400,
+     "sampling_params.top_k: must be an integer in [-1, 2147483647] (-1 or 0: off), got 2147483648"),
+    ({"max_tokens": 0}, 400, "sampling_params.max_tokens: must be unset or an integer in [1, 4294967295], got 0"),
+    ({"max_tokens": 2**32}, 400,
+     "sampling_params.max_tokens: must be unset or an integer in [1, 4294967295], got 4294967296"),
+    ({"seed": 2**70}, 400, f"sampling_params.seed: must be {_RANGE_INT64}, got 1180591620717411303424"),
+    ({"seed": -(2**63) - 1}, 400, f"sampling_params.seed: must be {_RANGE_INT64}, got -9223372036854775809"),
+    ({"stop": [7, 2**31]}, 400, "sampling_params.stop: must be a string, a list of strings or a list of token "
+                                "ids in [0, 2147483647], got token id 2147483648"),
+    ({"stop": [-1]}, 400, "sampling_params.stop: must be a string, a list of strings or a list of token "
+                          "ids in [0, 2147483647], got token id -1"),
+    # The edges of every range are accepted and forwarded.
+    ({"seed": 2**63 - 1, "top_k": 2**31 - 1, "temperature": 2.0, "top_p": 1.0}, 200, None),
+    ({"seed": -(2**63), "top_k": 0, "temperature": 0.0, "stop": [0, 2**31 - 1]}, 200, None),
+])
+def test_sampling_param_ranges_are_400_naming_the_field_and_range(api, params, status, message):
+    """Numeric sampling params outside what vLLM (and vllm-router in front of it) accept are refused at
+    asample; before, NaN said "<= 2" and a seed beyond int64 or an int32-overflowing top_k / stop token
+    id was forwarded to the engine."""
+    ssid = api.sampling_session()
+    body = {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+            "sampling_params": {"max_tokens": 2, **params}}
+    st, _, b = api.post("/api/v1/asample", body)
+    assert st == status, b
+    if message is None:
+        assert json.loads(b)["request_id"].startswith("f")
+    else:
+        assert json.loads(b) == {"error": "invalid request body: " + message}
