@@ -45,7 +45,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 async def body_error(request: Request, exc: BodyError) -> JSONResponse:
-    """A body that is too large (413) or not JSON (400); counted as ``http_<status>``."""
+    """A body that is too large (413), compressed (415) or not JSON (400); counted as ``http_<status>``."""
     ctx = context(request)
     ctx.count(f"http_{exc.status}")
     return JSONResponse({"error": exc.message}, status_code=exc.status, headers=ctx.fe_header)

@@ -41,7 +41,7 @@ CLIENT_CLOSED = 499
 
 
 class BodyError(Exception):
-    """The request body cannot be read: ``status`` 413 (too large) or 400 (not JSON)."""
+    """The request body cannot be read: ``status`` 413 (too large), 415 (compressed) or 400 (not JSON)."""
 
     def __init__(self, status: int, message: str) -> None:
         self.status, self.message = status, message
@@ -91,7 +91,11 @@ async def read_json(request: Request) -> Any:
     """The request body parsed as JSON (``{}`` when empty).
 
     Raises:
-        BodyError: 413 when the body exceeds ``server.max_request_bytes`` (by Content-Length, or
+        BodyError: 415 when the request has a ``Content-Encoding`` other than ``identity`` (the
+            tinker SDK never compresses the bodies of the endpoints this gateway serves: only
+            the training ``forward_backward`` body is zstd-compressed, ``tinker/resources/training.py``,
+            and that endpoint answers 501 here; parsing gzip bytes as JSON would answer a
+            confusing 400); 413 when the body exceeds ``server.max_request_bytes`` (by Content-Length, or
             counted while receiving a chunked upload, which is cut off at the limit); 400 when it
             is not valid JSON (nested deeper than :data:`MAX_JSON_NESTING` levels included); 408 when it did not arrive within ``server.body_timeout_s`` (the
             connection already answered 408 and closed); :data:`CLIENT_CLOSED` when the client
@@ -99,6 +103,10 @@ async def read_json(request: Request) -> Any:
             gone); they only count the request in the metrics.
     """
     max_body = context(request).cfg.server.max_request_bytes
+    coding = request.headers.get("content-encoding")
+    if coding is not None and coding.strip().lower() not in ("", "identity"):
+        raise BodyError(415, f"Content-Encoding: {coding[:40]} is not supported: send the request body "
+                             "uncompressed (identity)")
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > max_body:
         raise BodyError(413, f"request body of {cl} bytes exceeds server.max_request_bytes={max_body}")

@@ -331,3 +331,20 @@ def test_sampling_param_ranges_are_400_naming_the_field_and_range(api, params, s
         assert json.loads(b)["request_id"].startswith("f")
     else:
         assert json.loads(b) == {"error": "invalid request body: " + message}
+
+
+def test_compressed_request_bodies_are_415_naming_the_header(api):
+    """The SDK never compresses a sampling-path body; gzip bytes used to be parsed as JSON (a
+    confusing 400 "not valid JSON"). Any coding other than identity is 415 naming the header."""
+    import gzip
+
+    ssid = api.sampling_session()
+    body = {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}, "sampling_params": {"max_tokens": 2}}
+    raw = gzip.compress(json.dumps(body).encode())
+    for path, coding in (("/api/v1/asample", "gzip"), ("/api/v1/asample", "br"), ("/api/v1/create_session", "zstd")):
+        st, _, b = api.post(path, raw, headers={"Content-Encoding": coding})
+        assert (st, json.loads(b)) == (415, {"error": f"Content-Encoding: {coding} is not supported: send the "
+                                                      "request body uncompressed (identity)"})
+    st, _, b = api.post("/api/v1/asample", body, headers={"Content-Encoding": "identity"})
+    assert st == 200 and json.loads(b)["request_id"].startswith("f")
