@@ -107,6 +107,7 @@ class RefusalReason(enum.StrEnum):
     KEY_QUOTA = "key_quota"  # the request's API key holds its share (auth.key_share) of one of those or the arena
     TOO_LARGE = "too_large"  # the largest possible result is larger than the whole arena
     INVALID = "invalid"      # the request's fields could not be used (e.g. a prompt token out of int32)
+    CONFLICT = "conflict"    # (sid, seq) already names a future of a different request (digest differs)
     INTERNAL = "internal"    # the encoder failed while handling it (an ErrorReply, folded by the client)
 
 
@@ -129,6 +130,9 @@ class SubmitRequest(_Message, kw_only=True):
         reserve_bytes: the largest SampleResponse this request can produce (bytes); the encoder
             reserves an arena slot of that size before it accepts.
         prompt: the prompt token ids, sent only with prompt logprobs (the decoder needs them).
+        digest: 16-byte BLAKE2b of the canonical request (:func:`shardserver.api.sampling.request_digest`);
+            a resubmission of ``(sid, seq)`` with another digest is refused (CONFLICT) instead of
+            answered with the first request's future. Empty: not compared.
     """
 
     sid: str
@@ -139,6 +143,7 @@ class SubmitRequest(_Message, kw_only=True):
     topk: int = 0
     reserve_bytes: int
     prompt: list[int] | None = None
+    digest: bytes = b""
 
 
 class PollRequest(_Message, kw_only=True):

@@ -151,7 +151,7 @@ ACCEPT_ERRORS = Counter("shardserver_accept_errors",
                         ["reason"], registry=REGISTRY)
 ASAMPLE_REFUSED = Counter("shardserver_asample_refused",
                           "asample refused by the owning shard, by reason (no_room, pending_limit, pending_bytes, key_quota: "
-                          "HTTP 429; too_large, invalid: 400; internal: 500).", ["reason"], registry=REGISTRY)
+                          "HTTP 429; too_large, invalid: 400; conflict: 409; internal: 500).", ["reason"], registry=REGISTRY)
 AUTH_REJECTED = Counter("shardserver_auth_rejected", "Requests answered 401 (reason: missing or invalid key).",
                         ["reason"], registry=REGISTRY)
 

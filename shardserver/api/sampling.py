@@ -17,6 +17,7 @@ in README's ``retrieve_future`` table.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -45,7 +46,8 @@ from .common import WAIT_WRITTEN_SCOPE_KEY, error, read_json, refuse_future_id
 from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
 from .state import FrontendContext, context
 
-__all__ = ["router", "PROTO_MEDIA_TYPE", "REFUSAL_STATUS", "ResultResponse", "asample", "retrieve_future"]
+__all__ = ["router", "PROTO_MEDIA_TYPE", "REFUSAL_STATUS", "ResultResponse", "asample", "retrieve_future",
+           "request_digest"]
 
 log = logging.getLogger("shardserver.frontend")
 
@@ -59,6 +61,7 @@ REFUSAL_STATUS = {
     RefusalReason.KEY_QUOTA: 429,
     RefusalReason.TOO_LARGE: 400,
     RefusalReason.INVALID: 400,
+    RefusalReason.CONFLICT: 409,
     RefusalReason.INTERNAL: 500,
 }
 
@@ -144,6 +147,19 @@ def _prompt_tokens(req: SampleRequest) -> list[int]:
     return tokens
 
 
+def request_digest(body: bytes, derived_max_tokens: int | None) -> bytes:
+    """16-byte BLAKE2b of the canonical form of a sample request: its engine body
+    (:func:`~shardserver.engine_request.completion_request_body`, which holds every field the result
+    depends on: model, prompt, ``n``, sampling params, prompt logprobs), with ``max_tokens`` written
+    as ``null`` when the SDK left it unset (``derived_max_tokens``: the value the gateway put there,
+    the context window minus the prompt), so an SDK retry of the same request after the engine
+    reported another window still matches. The SDK resends the same ``SampleRequest`` (same
+    ``seq_id``, same fields) when it retries an ``asample`` whose answer it did not get."""
+    if derived_max_tokens is not None:
+        body = body.replace(b'"max_tokens":%d,' % derived_max_tokens, b'"max_tokens":null,', 1)
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
 def _check_limits(engine: EngineConfig, n: int, plen: int, max_tokens: int | None, model: str,
                   window: int, learned: bool) -> None:
     """Raises _Refused (400) when ``n`` > ``engine.max_num_samples``, or a prompt of ``plen``
@@ -206,7 +222,8 @@ async def asample(request: Request) -> JSONResponse:
     shard = shard_of(key, cfg.shards.count)
     submit = SubmitRequest(sid=req.sampling_session_id, seq=seq, owner=owner_of(request), n=n,
                            prompt_logprobs=want_plp, topk=topk, reserve_bytes=reserve,
-                           prompt=tokens if want_plp else None)
+                           prompt=tokens if want_plp else None,
+                           digest=request_digest(body, max_tokens if sp.max_tokens is None else None))
     return await _submit(ctx, shard, submit, body, n)
 
 
@@ -214,7 +231,8 @@ async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body:
     """SUBMIT to ``shard`` and answer: 200 with the future ID, 503 when the shard is down (retry),
     or the shard's refusal with the status of :data:`REFUSAL_STATUS` (429 with ``Retry-After: 1``
     when its arena has no room or its pending bounds are reached, 400 when the result could never
-    fit); refusals are counted in ``shardserver_asample_refused_total{reason}``."""
+    fit, 409 with ``x-should-retry: false`` when ``(sampling_session_id, seq_id)`` already names a
+    future of a different request); refusals are counted in ``shardserver_asample_refused_total{reason}``."""
     fe_header = ctx.fe_header
     try:
         reply = await ctx.clients[shard].submit(submit, body, timeout=30)
@@ -229,6 +247,8 @@ async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body:
         hdrs = dict(fe_header)
         if status == 429:
             hdrs["Retry-After"] = "1"
+        elif status == 409:
+            hdrs["x-should-retry"] = "false"  # the SDK's HTTP layer retries a 409 (a lock timeout) otherwise
         return JSONResponse({"error": reply.message}, status_code=status, headers=hdrs)
     ctx.count("asample_ok")
     rid = reply.request_id

@@ -130,6 +130,7 @@ class FutureEntry:
     charged: int = 0              # arena bytes counted against the owner's share
     stamp: int = 0                # monotonic ns when it left PENDING (its place in the session's log)
     expired: bool = False         # its pending TTL passed (counted as ``expired`` once)
+    digest: bytes = b""           # SubmitRequest.digest: a resubmission of its key must match it
 
     @property
     def session_key(self) -> tuple[str, int] | None:
@@ -366,7 +367,9 @@ class EncoderCore:
         ``req``: the SUBMIT message (``reserve_bytes`` is the largest SampleResponse this request
         can produce). ``body``: the engine request JSON bytes.
 
-        Returns :class:`SubmitAccepted` (also for a duplicate (sid, seq), with ``duplicate``), or
+        Returns :class:`SubmitAccepted` (also for a duplicate (sid, seq) with the same ``digest``,
+        with ``duplicate``), or :class:`SubmitRefused` with reason CONFLICT (a duplicate (sid, seq)
+        whose ``digest`` differs from the first request's), or
         :class:`SubmitRefused` with reason NO_ROOM (no free arena block for the reservation, even
         after evicting delivered results), TOO_LARGE (the reservation exceeds the whole arena) or
         INVALID (the prompt cannot be held as int32 tokens).
@@ -374,6 +377,13 @@ class EncoderCore:
         key = (req.sid, req.seq)
         fid = self.by_key.get(key)
         if fid is not None and fid in self.table:
+            first = self.table[fid].digest
+            if first and req.digest and first != req.digest:
+                self.counters["rejected_conflict"] += 1
+                return SubmitRefused(reason=RefusalReason.CONFLICT, message=(
+                    f"seq_id {req.seq} of this sampling session already names future {fid}, submitted with a "
+                    f"different request (prompt, num_samples or sampling params); a retry must resend the same "
+                    f"request, a new request needs a new seq_id"))
             self.counters["deduplicated"] += 1
             return SubmitAccepted(request_id=fid, duplicate=True)
         # Everything that can fail happens before the table or the arena is touched.
@@ -403,7 +413,8 @@ class EncoderCore:
                 f"({self.arena.used_bytes - self.reserved_bytes} bytes of results, {self.reserved_bytes} reserved, "
                 f"{self.arena.size} in all); retry later"))
         fid = self.signer.mint_future_id(self.shard, self.cfg.shards.count, req.owner)
-        e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserve=slot, owner=req.owner)
+        e = FutureEntry(fid=fid, key=key, created=time.monotonic(), reserve=slot, owner=req.owner,
+                        digest=req.digest)
         self.reserved_bytes += slot.capacity
         self.table[fid] = e
         self.state_counts[FutureState.PENDING] += 1

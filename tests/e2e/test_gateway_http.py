@@ -348,3 +348,42 @@ def test_compressed_request_bodies_are_415_naming_the_header(api):
                                                       "request body uncompressed (identity)"})
     st, _, b = api.post("/api/v1/asample", body, headers={"Content-Encoding": "identity"})
     assert st == 200 and json.loads(b)["request_id"].startswith("f")
+
+
+def test_resubmitted_seq_id_dedupes_only_the_same_request(api):
+    """(sampling_session_id, seq_id) names one request: resending it (the SDK's retry after a lost
+    answer sends the same SampleRequest) returns the same future; the same key with a different body
+    used to return the first request's future too (its result silently answered the second request).
+    Now that is 409 naming the key, with x-should-retry: false (the SDK's HTTP layer retries 409s)."""
+    ssid = api.sampling_session()
+    first = {"sampling_session_id": ssid, "seq_id": 5, "num_samples": 2,
+             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [4, 5, 6]}]},
+             "sampling_params": {"max_tokens": 3, "seed": 11, "temperature": 0.7}, "type": "sample"}
+    st, _, b = api.post("/api/v1/asample", first)
+    assert st == 200, b
+    fid = json.loads(b)["request_id"]
+    # The same request again (fields in another order: the canonical request is compared).
+    again = {k: first[k] for k in reversed(list(first))}
+    st, _, b = api.post("/api/v1/asample", again)
+    assert (st, json.loads(b)["request_id"]) == (200, fid)
+    conflict = (f"seq_id 5 of this sampling session already names future {fid}, submitted with a different "
+                "request (prompt, num_samples or sampling params); a retry must resend the same request, a new "
+                "request needs a new seq_id")
+    for change in ({"sampling_params": {"max_tokens": 3, "seed": 12, "temperature": 0.7}},
+                   {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [4, 5, 7]}]}},
+                   {"num_samples": 3},
+                   {"sampling_params": {"max_tokens": 4, "seed": 11, "temperature": 0.7}},
+                   {"prompt_logprobs": True}):
+        st, h, b = api.post("/api/v1/asample", {**first, **change})
+        assert (st, json.loads(b), h.get("x-should-retry")) == (409, {"error": conflict}, "false"), change
+    st, _, b = api.post("/api/v1/asample", first)
+    assert (st, json.loads(b)["request_id"]) == (200, fid)
+    # Unset max_tokens (the SDK's default): the same request dedupes as well.
+    unset = {**first, "seq_id": 6, "sampling_params": {"seed": 11}}
+    st, _, b = api.post("/api/v1/asample", unset)
+    assert st == 200, b
+    fid6 = json.loads(b)["request_id"]
+    st, _, b = api.post("/api/v1/asample", unset)
+    assert (st, json.loads(b)["request_id"]) == (200, fid6)
+    st, _, b = api.post("/api/v1/retrieve_future", {"request_id": fid})
+    assert st == 200 and len(json.loads(b)["sequences"]) == 2

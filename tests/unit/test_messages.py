@@ -182,7 +182,9 @@ def test_refusals_map_to_the_http_statuses_of_before():
                               RefusalReason.INVALID: 400, RefusalReason.INTERNAL: 500,
                               # issue 11: the pending bounds (the SDK backs off and retries)
                               RefusalReason.PENDING_LIMIT: 429, RefusalReason.PENDING_BYTES: 429,
-                              RefusalReason.KEY_QUOTA: 429}
+                              RefusalReason.KEY_QUOTA: 429,
+                              # a resubmitted (sid, seq) with a different request
+                              RefusalReason.CONFLICT: 409}
 
 
 # -- malformed frames ------------------------------------------------------------------------------
