@@ -30,6 +30,7 @@ from ..config import EngineConfig
 from ..engine_request import completion_request_body, context_window
 from ..errors import EncoderDeadError, SlotInvalidError
 from ..ids import shard_of
+from ..shm.arena import ArenaWriter
 from ..metrics import count_asample_refused
 from ..messages import (
     PollDone,
@@ -160,6 +161,23 @@ def request_digest(body: bytes, derived_max_tokens: int | None) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
 
+def _never_fits(arena_bytes: int, reserve: int, n: int, max_tokens: int, unset: bool, plen: int,
+                window: int) -> str | None:
+    """The 400 message when a request's arena reservation (``reserve`` payload bytes: its largest
+    possible ``SampleResponse``, plus the slot header) exceeds a whole shard's arena
+    (``shards.arena_bytes``), so no amount of waiting makes room: the SDK would retry a 429
+    forever. None when it can fit. ``unset``: the SDK left ``max_tokens`` unset (its default), so
+    it is the context window of ``window`` tokens minus the ``plen``-token prompt."""
+    need = ArenaWriter.slot_bytes(reserve)
+    if need <= arena_bytes:
+        return None
+    mt = (f"max_tokens unset, i.e. up to {max_tokens} tokens (the context window of {window} tokens minus the "
+          f"{plen}-token prompt)" if unset else f"max_tokens={max_tokens}")
+    return (f"num_samples={n} with {mt} can produce a result of {need} bytes, more than a shard's whole arena "
+            f"(shards.arena_bytes={arena_bytes}); set or lower max_tokens, lower num_samples, or raise "
+            f"shards.arena_bytes")
+
+
 def _check_limits(engine: EngineConfig, n: int, plen: int, max_tokens: int | None, model: str,
                   window: int, learned: bool) -> None:
     """Raises _Refused (400) when ``n`` > ``engine.max_num_samples``, or a prompt of ``plen``
@@ -183,7 +201,8 @@ def _check_limits(engine: EngineConfig, n: int, plen: int, max_tokens: int | Non
 async def asample(request: Request) -> JSONResponse:
     """Submit a sample request; ``{"request_id", "sample_sequence_ids"}`` on success.
 
-    400 for what the gateway does not support or what does not fit the engine's limits, 404
+    400 for what the gateway does not support, what does not fit the engine's limits, or a
+    request whose largest possible result exceeds a whole shard's arena (:func:`_never_fits`), 404
     for an unknown sampling session, and the shard's refusals (see :func:`_submit`).
     """
     ctx = context(request)
@@ -214,6 +233,10 @@ async def asample(request: Request) -> JSONResponse:
     topk = req.topk_prompt_logprobs
     want_plp = bool(req.prompt_logprobs) or topk > 0
     reserve = max_sample_response_size(n, max_tokens, plen, want_plp, topk)  # the arena reservation
+    too_large = _never_fits(cfg.shards.arena_bytes, reserve, n, max_tokens, sp.max_tokens is None, plen, window)
+    if too_large is not None:
+        count_asample_refused(RefusalReason.TOO_LARGE.value)
+        return error(400, too_large)
     body = completion_request_body(
         model=model, prompt=tokens, n=n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
         top_k=sp.top_k, seed=sp.seed, stop=sp.stop, prompt_logprobs=topk if want_plp else None)

@@ -242,3 +242,45 @@ def test_json_poll_of_a_delivered_result_in_a_full_arena_does_not_leak():
         rid2 = api.submit(ssid, [1, 3], 1, max_tokens=32768)
         rid3 = api.submit(ssid, [1, 4], 2, max_tokens=32768)
         assert rid2 != rid3
+
+
+def test_a_result_that_can_never_fit_the_arena_is_400_naming_the_numbers():
+    """The SDK leaves max_tokens unset by default (tinker SamplingParams.max_tokens = None), which
+    reserves the whole context window per sequence. When one request's reservation exceeds a whole
+    shard's arena, waiting can never make room: asample answers 400 naming num_samples, max_tokens
+    (and that it was unset), the bytes and shards.arena_bytes; the real SDK raises at once instead
+    of retrying. A request that fits an empty arena is still accepted."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+    from tinker import types
+
+    with RunningServer(env=TINY_ONE_SHARD) as s:
+        st, _, b = http_json(s.url + "/readyz")
+        assert st == 200 and json.loads(b)["max_model_len"] == {BASE_MODEL: 65536}
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        req = {"sampling_session_id": ssid, "seq_id": 1, "num_samples": 4,
+               "prompt": {"chunks": [{"tokens": [1, 2, 3]}]}, "sampling_params": {"seed": 1}}
+        st, h, b = api.post("/api/v1/asample", req)
+        assert (st, json.loads(b)) == (400, {"error": (
+            "num_samples=4 with max_tokens unset, i.e. up to 65533 tokens (the context window of 65536 tokens minus "
+            "the 3-token prompt) can produce a result of 2097280 bytes, more than a shard's whole arena "
+            "(shards.arena_bytes=1048576); set or lower max_tokens, lower num_samples, or raise shards.arena_bytes")})
+        st, _, b = api.post("/api/v1/asample", {**req, "sampling_params": {"seed": 1, "max_tokens": 70000}})
+        assert st == 400 and "exceeds the engine's context window" in json.loads(b)["error"]
+        st, _, b = api.post("/api/v1/asample", {**req, "num_samples": 64, "sampling_params": {"seed": 1, "max_tokens": 2400}})
+        assert (st, json.loads(b)) == (400, {"error": (
+            "num_samples=64 with max_tokens=2400 can produce a result of 1230912 bytes, more than a shard's whole "
+            "arena (shards.arena_bytes=1048576); set or lower max_tokens, lower num_samples, or raise "
+            "shards.arena_bytes")})
+        # Unset max_tokens with num_samples=1 fits an empty arena: accepted.
+        st, _, b = api.post("/api/v1/asample", {**req, "num_samples": 1})
+        assert st == 200, b
+        sampler = tinker.ServiceClient(base_url=s.url, api_key="tml-t").create_sampling_client(
+            base_model=BASE_MODEL).result(60)
+        t0 = time.monotonic()
+        with pytest.raises(tinker.BadRequestError, match="more than a shard's whole arena"):
+            sampler.sample(prompt=types.ModelInput.from_ints([1, 2, 3]), num_samples=4,
+                           sampling_params=types.SamplingParams(seed=1)).result(60)
+        assert time.monotonic() - t0 < 30
+        assert s.stats()["shards"][0]["counters"].get("rejected_429", 0) == 0
