@@ -57,7 +57,7 @@ import json
 import logging
 import random
 import time
-from typing import Any, MutableMapping
+from typing import Any, Callable, MutableMapping
 
 import aiohttp
 
@@ -169,6 +169,8 @@ class EngineClient:
         self._down_since: float | None = None
         self._down_reason = ""
         self._retrying = 0  # requests between their first failure and their final outcome
+        # Called at every engine answer (the encoder's EngineProbe.kick: a failed probe is re-run at once).
+        self.on_answer: Callable[[], None] | None = None
 
     async def start(self) -> None:
         """Open the connection pools (call in the event loop that will use them)."""
@@ -209,6 +211,8 @@ class EngineClient:
             self._answered()
 
     def _answered(self) -> None:
+        if self.on_answer is not None:
+            self.on_answer()
         if self._down_since is not None:
             log.info("engine at %s answers again after %.1f s", self.display_url,
                      time.monotonic() - self._down_since)

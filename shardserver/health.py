@@ -18,6 +18,14 @@ serving HTTP). A 5xx, a timeout or a connection error counts as unreachable.
 State changes are logged once (warning when the engine goes down, info when
 it comes back), never per probe.
 
+Recovery is seen at once, not one ``engine.health_interval_s`` later: while the
+last probe failed (or the encoder's engine requests are failing), the probe
+runs every :data:`DOWN_PROBE_S` seconds instead, and any answer from the
+engine to a request of this encoder (:meth:`EngineProbe.kick`) runs the next
+probe immediately. Each encoder decides for itself, and ``/readyz`` asks every
+encoder at each call (nothing is cached in the front-ends), so ``/readyz``
+turns 200 within about :data:`DOWN_PROBE_S` of the engine answering again.
+
 Each successful probe also reads ``GET {engine.url}/v1/models``: the context
 window (``max_model_len``) of every model the engine serves, reported in
 STATS as ``"models"`` and in ``/readyz`` as ``"max_model_len"``. The
@@ -41,6 +49,10 @@ from .messages import EngineReachability
 __all__ = ["EngineProbe", "readiness", "engine_models_of"]
 
 log = logging.getLogger("shardserver.health")
+
+#: Seconds between probes while the engine is down (the last probe failed, or requests to it are
+#: being re-forwarded), when that is shorter than ``engine.health_interval_s``.
+DOWN_PROBE_S = 0.5
 
 
 class EngineProbe:
@@ -69,8 +81,12 @@ class EngineProbe:
         # Called after each successful probe (the encoder ends an engine outage no request is
         # re-forwarding any more: EngineClient.probe_ok).
         self.on_ok: Callable[[], None] | None = None
+        # True while the encoder's engine requests are failing (EngineClient.unavailable): probe
+        # every DOWN_PROBE_S then, too.
+        self.outage: Callable[[], bool] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
 
     def start(self) -> None:
         """Start probing in the running event loop (the first probe runs at once)."""
@@ -79,7 +95,20 @@ class EngineProbe:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1, force_close=True),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-probe-{self.shard}")
+
+    def kick(self) -> None:
+        """The engine answered a request: if the last probe failed, probe now (not at the next
+        interval), so readiness and the context windows are back at once. Cheap otherwise (called
+        at every engine answer)."""
+        if self.ok is not True and self._wake is not None:
+            self._wake.set()
+
+    def _pause_s(self) -> float:
+        """Seconds until the next probe: ``interval_s``, or :data:`DOWN_PROBE_S` while the engine is down."""
+        down = self.ok is not True or (self.outage is not None and self.outage())
+        return min(self.interval_s, DOWN_PROBE_S) if down else self.interval_s
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
@@ -89,9 +118,14 @@ class EngineProbe:
             self._session = None
 
     async def _loop(self) -> None:
+        assert self._wake is not None
         while True:
+            self._wake.clear()
             await self.check_once()
-            await asyncio.sleep(self.interval_s)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._pause_s())
+            except asyncio.TimeoutError:
+                pass
 
     async def check_once(self) -> bool:
         """Probe once and record the result; returns whether the engine is reachable."""

@@ -869,6 +869,8 @@ class EncoderProc:
 
         probe = EngineProbe(engine_url, cfg.engine.health_interval_s, cfg.engine.connect_timeout_s, shard)
         probe.on_ok = engine.probe_ok  # a healthy engine nobody is retrying is no longer "unavailable"
+        probe.outage = lambda: engine.unavailable() is not None  # probe every DOWN_PROBE_S meanwhile
+        engine.on_answer = probe.kick  # an answered request re-runs a failed probe at once
         core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id, cfg.server.host_id),
                            engine_probe=probe)
         engine.counters = core.counters  # retry counters reach /stats and /metrics

@@ -322,6 +322,37 @@ def test_engine_unavailable_for_good_fails_after_the_budget_and_recovers():
         assert metric(s, "shardserver_engine_unavailable_seconds", shard="0") == 0
 
 
+
+def test_readyz_turns_200_as_soon_as_the_engine_answers_again():
+    """The engine is down when the gateway starts (every encoder's probe failed) and comes up
+    later, with a sample being re-forwarded meanwhile. /readyz used to stay 503 until each encoder's
+    next probe, up to engine.health_interval_s (30 s here) after the engine answered; now an encoder
+    whose engine is down probes every 0.5 s, and any answer (probe or request) ends its outage."""
+    port = free_port()
+    with gateway(f"http://127.0.0.1:{port}", shards=2, health_interval_s=30, unavailable_budget_s=60) as s:
+        st, _, b = http_json(s.url + "/readyz")
+        assert st == 503 and json.loads(b)["engine_down"] == [0, 1]
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid, prompt = submit(api, ssid, 109, 0)  # re-forwarded with backoff while the engine is down
+        time.sleep(0.5)
+        st, _, b = http_json(s.url + "/readyz")
+        assert st == 503 and len(json.loads(b)["engine_unavailable"]) == 1
+        with FakeEngine(port=port) as eng:
+            t0 = time.monotonic()
+            while True:
+                st, _, b = http_json(s.url + "/readyz")
+                if st == 200 or time.monotonic() - t0 > 12:
+                    break
+                time.sleep(0.05)
+            took = time.monotonic() - t0
+            assert (st, json.loads(b)) == (200, {"status": "ready", "encoders": 2,
+                                                 "max_model_len": {BASE_MODEL: 65536}}), b
+            assert took < 6.0  # the re-forward backoff is at most 2 s; the probe of a down engine 0.5 s
+            assert_result(*retrieve(api, rid), prompt, 0)
+            assert len(completions(eng)) >= 1
+
+
 # -- input 7: one request id per attempt ----------------------------------------------------------------
 def test_every_attempt_carries_its_own_request_id():
     """Two dropped connections, one abort, then the answer: four attempts, four X-Request-Ids
