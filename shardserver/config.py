@@ -85,9 +85,15 @@ class ServerConfig:
     # True: a secret that cannot be read or created is a startup error (exit 2) instead of a
     # warning and a random per-run secret (under which sessions do not survive a restart).
     require_persistent_secret: bool = False
+    # An encoder or front-end whose event loop has not beaten its heartbeat for this many seconds
+    # (stopped, or its event loop blocked) is SIGKILLed and restarted by the supervisor
+    # (shardserver.workers.liveness). 0: no liveness check.
+    liveness_timeout_s: float = 30.0
 
     def validate(self) -> None:
         _check(self.port, "server.port", 0 <= self.port <= 65535, "must be 0..65535")
+        _check(self.liveness_timeout_s, "server.liveness_timeout_s",
+               self.liveness_timeout_s == 0 or self.liveness_timeout_s >= 1, "must be 0 (off) or >= 1")
         _check(self.front_ends, "server.front_ends", 1 <= self.front_ends <= 256, "must be 1..256")
         _check(self.backlog, "server.backlog", self.backlog >= 1, "must be >= 1")
         _check(self.keep_alive_s, "server.keep_alive_s", self.keep_alive_s > 0, "must be > 0")

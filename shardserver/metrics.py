@@ -164,6 +164,16 @@ def count_worker_restart(role: str) -> None:
     WORKER_RESTARTS.labels(role=role).inc()
 
 
+WORKER_HUNG_KILLS = Counter("shardserver_worker_hung_kills",
+                            "Children SIGKILLed by the supervisor because their heartbeat was older than "
+                            "server.liveness_timeout_s (stopped, or their event loop blocked); each is restarted.",
+                            ["role"], registry=REGISTRY)
+
+
+def count_worker_hung_kill(role: str) -> None:
+    WORKER_HUNG_KILLS.labels(role=role).inc()
+
+
 def count_asample_refused(reason: str) -> None:
     ASAMPLE_REFUSED.labels(reason=reason).inc()
 

@@ -839,7 +839,7 @@ class EncoderProc:
 
     @staticmethod
     def run(cfg: Config, shard: int, arena_name: str, sock_path: str, engine_url: str,
-            secret: bytes, run_id: str, ready_conn, parent_pid: int) -> None:
+            secret: bytes, run_id: str, ready_conn, parent_pid: int, heartbeat=None) -> None:
         from ..process import die_with_parent
         from ._subprocess import child_setup
 
@@ -849,14 +849,18 @@ class EncoderProc:
             import uvloop
 
             uvloop.run(EncoderProc._main(cfg, shard, arena_name, sock_path, engine_url, secret, run_id,
-                                         ready_conn, parent_pid))
+                                         ready_conn, parent_pid, heartbeat))
         except KeyboardInterrupt:
             pass
 
     @staticmethod
     async def _main(cfg: Config, shard: int, arena_name: str, sock_path: str, engine_url: str,
-                    secret: bytes, run_id: str, ready_conn, parent_pid: int) -> None:
+                    secret: bytes, run_id: str, ready_conn, parent_pid: int, heartbeat=None) -> None:
+        from .liveness import start_heartbeat
+
         loop = asyncio.get_running_loop()
+        # The supervisor's liveness check (server.liveness_timeout_s) reads these beats.
+        hb_task = start_heartbeat(heartbeat, cfg.server.liveness_timeout_s, f"encoder-{shard}-heartbeat")
         stop = asyncio.Event()
         # SIGINT (Ctrl-C reaches the whole process group) is the supervisor's to handle: it stops
         # the front-ends first, then sends SIGTERM here.
@@ -905,6 +909,8 @@ class EncoderProc:
         finally:
             sweep_task.cancel()
             watch_task.cancel()
+            if hb_task is not None:
+                hb_task.cancel()
             server.close()
             core.close("server shutting down")
             await probe.close()

@@ -110,7 +110,7 @@ class FrontendProc:
 
     @staticmethod
     def run(cfg: Config, index: int, sock, socket_paths: list[str], secret: bytes, run_id: str,
-            parent_pid: int, ready_conn=None, auth: KeyTable | None = None) -> None:
+            parent_pid: int, ready_conn=None, auth: KeyTable | None = None, heartbeat=None) -> None:
         from ..process import die_with_parent, watch_parent
         from ._subprocess import child_setup
 
@@ -132,13 +132,19 @@ class FrontendProc:
             server.begin_drain()
 
         async def main() -> None:
+            from .liveness import start_heartbeat
+
             t = asyncio.get_running_loop().create_task(
                 watch_parent(parent_pid, leave, who=f"front-end {index}", logger=log),
                 name=f"front-end-{index}-parent-watch")
+            # The supervisor's liveness check (server.liveness_timeout_s) reads these beats.
+            hb = start_heartbeat(heartbeat, cfg.server.liveness_timeout_s, f"front-end-{index}-heartbeat")
             try:
                 await server.serve(sockets=[sock])
             finally:
                 t.cancel()
+                if hb is not None:
+                    hb.cancel()
 
         import uvloop
 

@@ -23,7 +23,9 @@
    SIGKILLed supervisor leaves no child and frees its port at once;
 6. watch the children's sentinels: a dead encoder gets a fresh arena and is
    restarted (its futures are lost and answer 410); a dead front-end is
-   restarted;
+   restarted; and their heartbeats (:mod:`.liveness`): an encoder or front-end that has not
+   beaten for ``server.liveness_timeout_s`` (stopped, or its event loop blocked) is SIGKILLed
+   (logged, ``shardserver_worker_hung_kills_total{role}``) and restarted like a dead one;
 7. on SIGTERM/SIGINT: close the supervisor's copy of the listening socket (the kernel stops
    listening when the front-ends have closed theirs, which they do first thing, see
    :class:`.frontend.DrainingServer`); stop the front-ends (graceful, bounded by
@@ -56,6 +58,7 @@ from ..api.auth import load_key_table
 from ..config import Config, mask_url
 from ..ids import load_id_secret
 from ..prometheus_dir import mark_process_dead, prepare_prometheus_dir
+from .liveness import Heartbeats
 from ..shm.arena import (SHM_DIR, check_shm_space, create_segment, pid_alive, remove_stale_segments, segment_name,
                          unlink_segment)
 
@@ -216,6 +219,8 @@ class Supervisor:
         self.encoders: list[ChildSpec] = []
         self.front_ends: list[ChildSpec] = []
         self.sim: ChildSpec | None = None
+        # One heartbeat slot per encoder (slot s) and front-end (slot S + i); made in run().
+        self.heartbeats: Heartbeats | None = None
         self.segments: set[str] = set()
         self._signals: list[int] = []
         self._stopping = False
@@ -252,6 +257,12 @@ class Supervisor:
     def _sock_path(self, shard: int) -> str:
         return os.path.join(self.run_dir, f"enc-{shard}.sock")
 
+    def _hb_index(self, spec: ChildSpec) -> int:
+        return spec.index if spec.role == "encoder" else self.cfg.shards.count + spec.index
+
+    def _heartbeat_slot(self, spec: ChildSpec) -> Any:
+        return None if self.heartbeats is None else self.heartbeats.slot(self._hb_index(spec))
+
     def _start_encoder(self, spec: ChildSpec) -> mpc.Connection:
         from .encoder import EncoderProc
 
@@ -263,7 +274,7 @@ class Supervisor:
         spec.proc = _CTX.Process(
             target=EncoderProc.run, name=f"shardserver-encoder-{spec.index}", daemon=False,
             args=(self.cfg, spec.index, name, self._sock_path(spec.index), self.engine_url, self.secret,
-                  self.run_id, child_conn, self.pid))
+                  self.run_id, child_conn, self.pid), kwargs={"heartbeat": self._heartbeat_slot(spec)})
         spec.proc.start()
         spec.started_at = time.monotonic()
         child_conn.close()
@@ -276,7 +287,8 @@ class Supervisor:
         spec.proc = _CTX.Process(
             target=FrontendProc.run, name=f"shardserver-front-end-{spec.index}", daemon=False,
             args=(self.cfg, spec.index, self.sock, [self._sock_path(s) for s in range(self.cfg.shards.count)],
-                  self.secret, self.run_id, self.pid, child_conn), kwargs={"auth": self.keys})
+                  self.secret, self.run_id, self.pid, child_conn),
+            kwargs={"auth": self.keys, "heartbeat": self._heartbeat_slot(spec)})
         spec.proc.start()
         spec.started_at = time.monotonic()
         child_conn.close()
@@ -356,6 +368,8 @@ class Supervisor:
                 if conn in ready:
                     try:
                         conn.recv()
+                        if self.heartbeats is not None and spec.role in ("encoder", "front-end"):
+                            self.heartbeats.touch(self._hb_index(spec))  # the start is not a stall
                         return
                     except EOFError:
                         pass
@@ -396,6 +410,8 @@ class Supervisor:
             if cfg.uses_simulator:
                 self._start_sim()
                 self._wait_sim_serving()  # before the encoders, whose first engine probe must find it
+            if cfg.server.liveness_timeout_s > 0:
+                self.heartbeats = Heartbeats(cfg.shards.count + cfg.server.front_ends)
             self.encoders = [ChildSpec("encoder", s) for s in range(cfg.shards.count)]
             conns = [self._start_encoder(e) for e in self.encoders]
             for e, c in zip(self.encoders, conns):
@@ -434,6 +450,30 @@ class Supervisor:
                 child = sentinels[s]
                 child.proc.join(0.1)
                 self._on_exit(child)
+            self._check_liveness()
+
+    def _check_liveness(self) -> None:
+        """SIGKILL and restart every encoder and front-end whose heartbeat is older than
+        ``server.liveness_timeout_s`` (stopped, or its event loop blocked: alive, but holding its
+        share of the connections or futures forever)."""
+        bound = self.cfg.server.liveness_timeout_s
+        if self.heartbeats is None or bound <= 0:
+            return
+        from ..metrics import count_worker_hung_kill
+
+        for c in (*self.encoders, *self.front_ends):
+            if c.proc is None or c.restart_at or c.proc.exitcode is not None:
+                continue
+            age = self.heartbeats.age_s(self._hb_index(c))
+            if age <= bound:
+                continue
+            log.error("%s (pid %s) missed its liveness check: no heartbeat for %.1f s (server.liveness_timeout_s = "
+                      "%g; stopped, or its event loop blocked): killing it (SIGKILL) and restarting it",
+                      c.name, c.proc.pid, age, bound)
+            count_worker_hung_kill(c.role)
+            c.proc.kill()
+            c.proc.join(5)
+            self._on_exit(c)
 
     def _on_exit(self, child: ChildSpec) -> None:
         """A child died: restart it now, or later when it keeps dying right after its start."""

@@ -273,3 +273,50 @@ def test_sighup_is_a_clean_shutdown():
     assert _segments_of(pid) == []
     assert not s.leftover_processes
     assert any("[shutdown] supervisor: done" in line for line in s.log_lines)
+
+
+def test_stopped_front_end_and_encoder_are_killed_and_restarted():
+    """A front-end and an encoder that stop answering (SIGSTOP: alive, sentinel silent, still holding
+    their share of the accepted connections and of the futures) used to be kept forever. Their
+    heartbeat stops, so the supervisor SIGKILLs and restarts each within server.liveness_timeout_s
+    (2 s here), logs it, counts it, and requests are served after."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    env = {"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "2",
+           "SHARDSERVER_SERVER__LIVENESS_TIMEOUT_S": "2"}
+    with RunningServer(env=env) as s:
+        pgid = s.proc.pid
+        (fe,) = _titled(pgid, "shardserver: front-end 0")
+        (enc,) = _titled(pgid, "shardserver: encoder 1")
+        others = sorted(_titled(pgid, "shardserver: front-end 1") + _titled(pgid, "shardserver: encoder 0"))
+        t0 = time.monotonic()
+        os.kill(fe, signal.SIGSTOP)
+        os.kill(enc, signal.SIGSTOP)
+        deadline = t0 + 20
+        while time.monotonic() < deadline:
+            if (fe not in _titled(pgid, "shardserver: front-end 0") and enc not in _titled(pgid, "shardserver: encoder 1")
+                    and len(_titled(pgid, "shardserver: front-end 0")) == 1
+                    and len(_titled(pgid, "shardserver: encoder 1")) == 1):
+                break
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert fe not in _titled(pgid, "shardserver: front-end 0") and enc not in _titled(pgid, "shardserver: encoder 1"), \
+            "\n".join(s.log_lines[-20:])
+        assert 2.0 <= took < 8.0  # bound 2 s, a heartbeat every 0.5 s, checked every 0.2 s
+        # The healthy children were left alone.
+        assert sorted(_titled(pgid, "shardserver: front-end 1") + _titled(pgid, "shardserver: encoder 0")) == others
+        for name, pid in (("front-end 0", fe), ("encoder 1", enc)):
+            assert any(f"{name} (pid {pid}) missed its liveness check: no heartbeat for " in line
+                       and "(server.liveness_timeout_s = 2; stopped, or its event loop blocked): killing it (SIGKILL) "
+                           "and restarting it" in line for line in s.log_lines), name
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and http_json(s.url + "/readyz")[0] != 200:
+            time.sleep(0.05)
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rids = [api.submit(ssid, [9, 9, i], seq_id=i) for i in range(8)]  # both shards, a new connection each
+        assert [api.post("/api/v1/retrieve_future", {"request_id": r})[0] for r in rids] == [200] * 8
+        st, _, body = http_json(s.url + "/metrics")
+        kills = {dict(smp.labels)["role"]: smp.value for fam in text_string_to_metric_families(body.decode())
+                 for smp in fam.samples if smp.name == "shardserver_worker_hung_kills_total"}
+        assert kills == {"front-end": 1.0, "encoder": 1.0}
