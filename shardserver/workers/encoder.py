@@ -91,6 +91,7 @@ from ..messages import (
 )
 from ..metrics import EncoderTimers, ShardCounters
 from ..shm.arena import ArenaWriter, Slot
+from .journal import JOURNAL_DIR, FutureJournal, JournalRecord
 
 if TYPE_CHECKING:
     from ..health import EngineProbe
@@ -131,6 +132,7 @@ class FutureEntry:
     stamp: int = 0                # monotonic ns when it left PENDING (its place in the session's log)
     expired: bool = False         # its pending TTL passed (counted as ``expired`` once)
     digest: bytes = b""           # SubmitRequest.digest: a resubmission of its key must match it
+    journaled: bool = False       # its record is live in the shard's journal (a report is owed)
 
     @property
     def session_key(self) -> tuple[str, int] | None:
@@ -171,13 +173,17 @@ class EncoderCore:
         engine_probe: the engine reachability probe whose last result STATS reports (``/readyz``
             waits for it); None: this shard does not probe (STATS ``engine`` is None and
             readiness does not wait for it). The caller starts and closes it.
+        journal: the shard's journal of futures owed a report
+            (:class:`~shardserver.workers.journal.FutureJournal`); None: none is kept (futures
+            in flight when the encoder dies are never reported to a poller). The caller opens
+            it, passes what it took over to :meth:`restore`, and closes it.
 
     The arena, the engine client and the probe stay the caller's: :meth:`close` ends only the
     shard's own work.
     """
 
     def __init__(self, cfg: Config, shard: int, arena: ArenaWriter, engine: EngineClient, signer: IdSigner,
-                 engine_probe: EngineProbe | None = None) -> None:
+                 engine_probe: EngineProbe | None = None, journal: FutureJournal | None = None) -> None:
         self.cfg = cfg
         self.shard = shard
         self.arena = arena
@@ -214,6 +220,7 @@ class EncoderCore:
         self.session_logs: dict[tuple[str, int], dict[str, int]] = {}
         self.session_waiters: dict[tuple[str, int], asyncio.Future[bool]] = {}
         self._last_stamp = 0
+        self.journal = journal
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float, now: float | None = None) -> None:
@@ -257,6 +264,54 @@ class EncoderCore:
         log_ = self.session_logs.get(key) if key is not None else None
         if log_ is not None and log_.pop(e.fid, None) is not None and not log_:
             del self.session_logs[key]
+
+    def _unjournal(self, e: FutureEntry) -> None:
+        """``e`` is owed no report any more: end its journal record (rewriting the journal when
+        it has grown past its bound)."""
+        if not e.journaled:
+            return
+        e.journaled = False
+        j = self.journal
+        if j is None:
+            return
+        try:
+            j.end(e.fid)
+            if j.needs_compaction:
+                j.compact(JournalRecord(x.fid, x.key[0], x.key[1] // CLONE_SEQ_SPAN)  # type: ignore[index]
+                          for x in self.table.values() if x.journaled)
+                self.counters["journal_compactions"] += 1
+        except OSError as exc:
+            self._journal_failed(exc)
+
+    def _journal_failed(self, exc: OSError) -> None:
+        log.error("shard %d: the futures journal %s failed (%s); futures in flight at a restart will not be "
+                  "reported to pollers", self.shard, self.journal.path if self.journal else "", exc)
+        self.counters["journal_errors"] += 1
+        self.journal = None
+
+    def restore(self, records: list[JournalRecord]) -> int:
+        """Hold the futures a predecessor owed a report for (``records``, from the journals
+        taken over) as GONE entries with no result, stamped now, so the next
+        ``retrieve_futures`` of their session reports them failed; ``retrieve_future`` for them
+        answers 410 and the SDK resubmits. They stay journaled until the session's cursor
+        passes them or they leave the table (ack, ``futures.completed_ttl_s``). Returns how
+        many were added (a fid the table holds already is skipped)."""
+        n = 0
+        now = time.monotonic()
+        for r in records:
+            if r.fid in self.table:
+                continue
+            e = FutureEntry(fid=r.fid, key=(r.sid, r.clone * CLONE_SEQ_SPAN), created=now)
+            e.gone_reason = "lost when its encoder or the gateway restarted; resubmit the request"
+            e.state, e.journaled = FutureState.GONE, self.journal is not None
+            self.table[r.fid] = e
+            self.state_counts[FutureState.GONE] += 1
+            self._log_completion(e)
+            self._set_deadline(e, self.cfg.futures.completed_ttl_s, now)
+            n += 1
+        if n:
+            self.counters["restored_lost"] += n
+        return n
 
     def _wake(self, e: FutureEntry) -> None:
         waiters, e.waiters = e.waiters, []
@@ -330,6 +385,7 @@ class EncoderCore:
         if e.key is not None and self.by_key.get(e.key) == e.fid:
             del self.by_key[e.key]
         self._unlog(e)
+        self._unjournal(e)
         self.eviction_queue.pop(e.fid, None)
         if e.task is not None and not e.task.done():
             e.task.cancel()
@@ -420,6 +476,12 @@ class EncoderCore:
         self.state_counts[FutureState.PENDING] += 1
         self.by_key[key] = fid
         self._set_deadline(e, self.cfg.futures.pending_ttl_s)
+        if self.journal is not None:
+            try:
+                self.journal.add(fid, req.sid, req.seq // CLONE_SEQ_SPAN)
+                e.journaled = True
+            except OSError as exc:
+                self._journal_failed(exc)
         e.job = (body, req.sid, n, want_plp, topk, prompt_arr)
         e.body_bytes = len(body)
         self.pending_request_bytes += e.body_bytes
@@ -697,6 +759,9 @@ class EncoderCore:
             seen = [fid for fid, stamp in itertools.takewhile(lambda kv: kv[1] <= after, log_.items())]
             for fid in seen:
                 del log_[fid]
+                e = table.get(fid)
+                if e is not None and e.journaled:
+                    self._unjournal(e)  # the poller got it: after a restart nothing is owed
             for fid, stamp in log_.items():
                 if stamp > upto:
                     break
@@ -838,8 +903,32 @@ class EncoderProc:
     """Process wrapper: ``EncoderProc.run`` is the only spawn target of an encoder."""
 
     @staticmethod
+    def _open_journal(cfg: Config, shard: int, tag: str) -> tuple[FutureJournal | None, list[JournalRecord]]:
+        """Take over this shard's journals and open its new one (see
+        :mod:`shardserver.workers.journal`); ``(None, [])`` with a warning when there is no
+        ``server.state_dir`` or it cannot be written."""
+        if not tag or not cfg.server.state_dir:
+            return None, []
+        try:
+            journal, took = FutureJournal.open(os.path.join(cfg.server.state_dir, JOURNAL_DIR), tag, shard,
+                                               cfg.shards.count)
+        except OSError as exc:
+            log.warning("encoder %d: cannot keep a futures journal in %s (%s): futures in flight when this encoder "
+                        "or the gateway restarts will not be reported to pollers", shard, cfg.server.state_dir, exc)
+            return None, []
+        if took.bad_lines:
+            log.warning("encoder %d: %d unreadable journal lines ignored", shard, took.bad_lines)
+        if took.waited_s > 0.5:
+            log.info("encoder %d: waited %.1f s for the journal of a stopping encoder", shard, took.waited_s)
+        return journal, took.records
+
+    @staticmethod
     def run(cfg: Config, shard: int, arena_name: str, sock_path: str, engine_url: str,
-            secret: bytes, run_id: str, ready_conn, parent_pid: int, heartbeat=None) -> None:
+            secret: bytes, run_id: str, ready_conn, parent_pid: int, heartbeat=None, journal_tag: str = "") -> None:
+        """The encoder process of shard ``shard``: serve its control socket ``sock_path`` until
+        SIGTERM or the supervisor ``parent_pid`` dies. ``journal_tag``: the gateway's
+        :func:`~shardserver.workers.journal.journal_tag` (its journal lives in
+        ``<server.state_dir>/futures``); empty: no journal."""
         from ..process import die_with_parent
         from ._subprocess import child_setup
 
@@ -849,13 +938,14 @@ class EncoderProc:
             import uvloop
 
             uvloop.run(EncoderProc._main(cfg, shard, arena_name, sock_path, engine_url, secret, run_id,
-                                         ready_conn, parent_pid, heartbeat))
+                                         ready_conn, parent_pid, heartbeat, journal_tag))
         except KeyboardInterrupt:
             pass
 
     @staticmethod
     async def _main(cfg: Config, shard: int, arena_name: str, sock_path: str, engine_url: str,
-                    secret: bytes, run_id: str, ready_conn, parent_pid: int, heartbeat=None) -> None:
+                    secret: bytes, run_id: str, ready_conn, parent_pid: int, heartbeat=None,
+                    journal_tag: str = "") -> None:
         from .liveness import start_heartbeat
 
         loop = asyncio.get_running_loop()
@@ -867,6 +957,7 @@ class EncoderProc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         arena = ArenaWriter(arena_name)
+        journal, taken = EncoderProc._open_journal(cfg, shard, journal_tag)
         engine = EngineClient(cfg.engine, engine_url)
         await engine.start()
         from ..health import EngineProbe
@@ -876,7 +967,11 @@ class EncoderProc:
         probe.outage = lambda: engine.unavailable() is not None  # probe every DOWN_PROBE_S meanwhile
         engine.on_answer = probe.kick  # an answered request re-runs a failed probe at once
         core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id, cfg.server.host_id),
-                           engine_probe=probe)
+                           engine_probe=probe, journal=journal)
+        if taken:
+            n = core.restore(taken)
+            log.warning("encoder %d: %d futures were in flight when its predecessor stopped; their sessions' "
+                        "pollers will get them as failed (retrieve_future answers 410: the SDK resubmits)", shard, n)
         engine.counters = core.counters  # retry counters reach /stats and /metrics
         probe.start()  # the first probe runs at once; /readyz waits for it
         try:
@@ -913,6 +1008,8 @@ class EncoderProc:
                 hb_task.cancel()
             server.close()
             core.close("server shutting down")
+            if core.journal is not None:
+                core.journal.close()
             await probe.close()
             await engine.close()
             try:

@@ -61,6 +61,7 @@ from ..prometheus_dir import mark_process_dead, prepare_prometheus_dir
 from .liveness import Heartbeats
 from ..shm.arena import (SHM_DIR, check_shm_space, create_segment, pid_alive, remove_stale_segments, segment_name,
                          unlink_segment)
+from .journal import journal_tag
 
 __all__ = ["Supervisor", "ChildSpec", "StartupError"]
 
@@ -225,6 +226,7 @@ class Supervisor:
         self._signals: list[int] = []
         self._stopping = False
         self.address: tuple[str, int] | None = None
+        self.journal_tag = ""  # names the encoders' journals (workers/journal.py): the listening address
 
     def _log_id_secret(self) -> None:
         sec = self.id_secret
@@ -274,7 +276,8 @@ class Supervisor:
         spec.proc = _CTX.Process(
             target=EncoderProc.run, name=f"shardserver-encoder-{spec.index}", daemon=False,
             args=(self.cfg, spec.index, name, self._sock_path(spec.index), self.engine_url, self.secret,
-                  self.run_id, child_conn, self.pid), kwargs={"heartbeat": self._heartbeat_slot(spec)})
+                  self.run_id, child_conn, self.pid),
+            kwargs={"heartbeat": self._heartbeat_slot(spec), "journal_tag": self.journal_tag})
         spec.proc.start()
         spec.started_at = time.monotonic()
         child_conn.close()
@@ -407,6 +410,7 @@ class Supervisor:
             self.sock = self._bind_listener()
             host, port = self.sock.getsockname()[:2]
             self.address = (host, port)
+            self.journal_tag = journal_tag(host, port)
             if cfg.uses_simulator:
                 self._start_sim()
                 self._wait_sim_serving()  # before the encoders, whose first engine probe must find it

@@ -1,0 +1,296 @@
+"""A shard's journal of the futures it still owes a report for, kept across restarts.
+
+The SDK's session-wide poller (``retrieve_futures``) learns that a future finished only from the
+server. A future held by an encoder that dies (SIGKILL, crash) or by a gateway that restarts
+would be forgotten and its sample would wait forever; the journal lets the next encoder of the
+shard report it as failed (``{"state": "failed"}``), after which the SDK's ``retrieve_future``
+gets 410 and it resubmits the sample.
+
+One file per shard and gateway address, ``<state_dir>/futures/<tag>.<shard>.journal`` (``tag``
+is the listening ``host_port``, so gateways sharing a state directory never share a file).
+Records are ASCII lines, appended with one unbuffered ``os.write`` on an ``O_APPEND`` descriptor
+(what a SIGKILLed process wrote stays in the page cache)::
+
+    +<fid> <sampling_session_id> <cloned_sampler_id> <crc>\\n    the shard accepted a SUBMIT
+    -<fid> <crc>\\n                                          it owes no report any more
+
+``crc``: CRC-32 (``zlib.crc32``) of the text before the last space, 8 lowercase hex digits. A
+line whose CRC does not match or that has no final newline (a write cut short) is ignored.
+
+The file is rewritten (the live records to a temporary file, then ``rename``) when a new
+encoder takes it over and when it holds more than ``2 × live + COMPACT_SLACK`` records. The
+writing encoder holds ``flock(LOCK_EX)`` on it; a new encoder waits (up to ``lock_wait_s``) for
+the encoder of a killed gateway that is still shutting down to let go.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["FutureJournal", "JournalRecord", "JournalTakeover", "journal_tag", "read_journal", "COMPACT_SLACK"]
+
+log = logging.getLogger("shardserver.journal")
+
+# Records (adds and ends) written beyond twice the live set before the file is rewritten.
+COMPACT_SLACK = 8192
+JOURNAL_DIR = "futures"
+_SUFFIX = ".journal"
+
+
+@dataclass(frozen=True, slots=True)
+class JournalRecord:
+    """A future the journal still owes a report for.
+
+    Attributes:
+        fid: the future ID (``request_id``).
+        sid: its ``sampling_session_id``.
+        clone: its ``cloned_sampler_id`` (``seq_id // 10**9``, the SDK's poller target).
+    """
+
+    fid: str
+    sid: str
+    clone: int
+
+
+@dataclass(slots=True)
+class JournalTakeover:
+    """What :meth:`FutureJournal.open` found in the journals it took over.
+
+    Attributes:
+        records: the futures still owed a report, in the order they were added.
+        files: how many journal files were taken over.
+        bad_lines: lines ignored (CRC mismatch, malformed, or a cut last line).
+        waited_s: seconds spent waiting for another process's lock (s).
+        lock_timeouts: files read without their lock (its holder kept it past ``lock_wait_s``).
+    """
+
+    records: list[JournalRecord]
+    files: int = 0
+    bad_lines: int = 0
+    waited_s: float = 0.0
+    lock_timeouts: int = 0
+
+
+def journal_tag(host: str, port: int) -> str:
+    """The file-name tag of a gateway listening on ``host:port``: ``host_port`` with every
+    character outside ``[A-Za-z0-9.-]`` replaced by ``_`` (IPv6 colons included)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", f"{host}_{port}")
+
+
+def _line(body: str) -> bytes:
+    b = body.encode()
+    return b"%s %08x\n" % (b, zlib.crc32(b))
+
+
+def add_line(fid: str, sid: str, clone: int) -> bytes:
+    """The ``+`` record of a future (bytes, ending in a newline)."""
+    return _line(f"+{fid} {sid} {clone}")
+
+
+def end_line(fid: str) -> bytes:
+    """The ``-`` record of a future (bytes, ending in a newline)."""
+    return _line(f"-{fid}")
+
+
+def read_journal(data: bytes) -> tuple[dict[str, JournalRecord], int]:
+    """Replay journal bytes: the futures added and not ended (fid -> record, in add order) and
+    how many lines were ignored (bad CRC, malformed, or a last line without its newline)."""
+    live: dict[str, JournalRecord] = {}
+    lines = data.split(b"\n")
+    bad = 1 if lines[-1] else 0  # the last piece has no newline: a write cut short
+    for raw in lines[:-1]:
+        body, _, crc = raw.rpartition(b" ")
+        try:
+            ok = bool(body) and len(crc) == 8 and int(crc, 16) == zlib.crc32(body)
+            text = body.decode("ascii") if ok else ""
+        except (ValueError, UnicodeDecodeError):
+            ok = False
+        if not ok:
+            bad += 1
+            continue
+        if text[0] == "+":
+            parts = text[1:].split(" ")
+            if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
+                bad += 1
+                continue
+            live[parts[0]] = JournalRecord(parts[0], parts[1], int(parts[2]))
+        elif text[0] == "-" and " " not in text:
+            live.pop(text[1:], None)
+        else:
+            bad += 1
+    return live, bad
+
+
+def _lock(fd: int, deadline: float) -> bool:
+    """``flock(LOCK_EX)`` on ``fd``, retried every 20 ms until ``deadline`` (monotonic s)."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+class FutureJournal:
+    """The open journal of one shard (see the module docstring). Made by :meth:`open`.
+
+    ``live`` counts the futures added and not ended; the caller ends only what it added (or
+    took over), once.
+    """
+
+    def __init__(self, path: str, fd: int, live: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.live = live
+        self.records = live  # records in the file
+        self.compactions = 0
+
+    @classmethod
+    def open(cls, directory: str, tag: str, shard: int, shards: int,
+             lock_wait_s: float = 5.0) -> tuple[FutureJournal, JournalTakeover]:
+        """Take over the journals of shard ``shard`` and start its new one.
+
+        Every ``<tag>.<k>.journal`` in ``directory`` with ``k % shards == shard`` is locked
+        (waiting up to ``lock_wait_s`` s for a dying holder), replayed, and replaced by one file,
+        ``<tag>.<shard>.journal``, holding the futures still owed a report, which are returned
+        (their records stay in the new journal until :meth:`end`).
+
+        Raises:
+            OSError: the directory or a file cannot be created, read or written.
+        """
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        pat = re.compile(re.escape(tag) + r"\.(\d+)" + re.escape(_SUFFIX) + r"(\.tmp\.\d+)?$")
+        mine = os.path.join(directory, f"{tag}.{shard}{_SUFFIX}")
+        taken: list[tuple[str, int]] = []
+        out = JournalTakeover(records=[])
+        live: dict[str, JournalRecord] = {}
+        deadline = time.monotonic() + lock_wait_s
+        t0 = time.monotonic()
+        try:
+            for name in sorted(os.listdir(directory)):
+                m = pat.match(name)
+                if m is None or int(m.group(1)) % shards != shard:
+                    continue
+                path = os.path.join(directory, name)
+                if m.group(2):  # a rewrite cut short: the file it was to replace is still there
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                taken.append((path, fd))
+                if not _lock(fd, deadline):
+                    out.lock_timeouts += 1
+                    log.warning("journal %s is still locked after %.1f s; taking it over anyway", path, lock_wait_s)
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    found, bad = read_journal(f.read())
+                out.files += 1
+                out.bad_lines += bad
+                for fid, rec in found.items():
+                    live.setdefault(fid, rec)
+            out.waited_s = time.monotonic() - t0
+            out.records = list(live.values())
+            fd = cls._rewrite(mine, (add_line(r.fid, r.sid, r.clone) for r in out.records))
+            for path, _ in taken:
+                if path != mine:
+                    os.unlink(path)
+        finally:
+            for _, old in taken:
+                os.close(old)
+        return cls(mine, fd, len(out.records)), out
+
+    @staticmethod
+    def _rewrite(path: str, lines: Iterable[bytes]) -> int:
+        """Write ``lines`` to a new file locked by this process, rename it to ``path``; its
+        ``O_APPEND`` descriptor."""
+        tmp = f"{path}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else knows the new file yet: never waits
+            buf: list[bytes] = []
+            size = 0
+            for line in lines:
+                buf.append(line)
+                size += len(line)
+                if size >= 1 << 20:
+                    os.write(fd, b"".join(buf))
+                    buf, size = [], 0
+            if buf:
+                os.write(fd, b"".join(buf))
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return fd
+
+    def add(self, fid: str, sid: str, clone: int) -> None:
+        """Record that the shard accepted the future ``fid`` of session ``(sid, clone)``."""
+        os.write(self.fd, add_line(fid, sid, clone))
+        self.live += 1
+        self.records += 1
+
+    def end(self, fid: str) -> None:
+        """Record that the shard owes no report for ``fid`` any more (it left the table, or the
+        session's poller cursor passed it)."""
+        os.write(self.fd, end_line(fid))
+        self.live -= 1
+        self.records += 1
+
+    @property
+    def needs_compaction(self) -> bool:
+        """The file holds more than ``2 × live + COMPACT_SLACK`` records."""
+        return self.records > 2 * self.live + COMPACT_SLACK
+
+    def compact(self, live: Iterable[JournalRecord]) -> None:
+        """Rewrite the file with only ``live`` (the futures still owed a report: exactly those
+        added and not ended) and continue appending to the new file.
+
+        Raises:
+            OSError: the new file cannot be written (the old one stays in use).
+        """
+        n = 0
+
+        def lines() -> Iterable[bytes]:
+            nonlocal n
+            for r in live:
+                n += 1
+                yield add_line(r.fid, r.sid, r.clone)
+
+        fd = self._rewrite(self.path, lines())
+        os.close(self.fd)
+        self.fd = fd
+        self.live = self.records = n
+        self.compactions += 1
+
+    def close(self) -> None:
+        """Close the file (it stays for the next encoder of the shard; an empty one is removed)."""
+        if self.fd < 0:
+            return
+        if self.live == 0:
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:  # not a successor's file
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        os.close(self.fd)
+        self.fd = -1

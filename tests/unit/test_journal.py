@@ -1,0 +1,238 @@
+"""The shard's futures journal (shardserver/workers/journal.py): records, compaction, take-over
+(also across a change of shard count, and from a holder that keeps its lock a while), cut and
+corrupt lines, and an EncoderCore that restores what its predecessor owed as GONE futures its
+session's poller is told about."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import threading
+import time
+import zlib
+
+import pytest
+
+from shardserver.config import config_from_mapping
+from shardserver.ids import IdSigner
+from shardserver.messages import PollGone, PollRequest, SessionPollRequest, SubmitRequest
+from shardserver.shm.arena import ArenaWriter, create_segment, segment_name, unlink_segment
+from shardserver.workers import journal as jmod
+from shardserver.workers.encoder import EncoderCore
+from shardserver.workers.journal import FutureJournal, JournalRecord, journal_tag, read_journal
+
+TAG = journal_tag("127.0.0.1", 8123)
+
+
+def _fid(i: int) -> str:
+    return f"f0badcafe-h0-{i:032x}-{i:016x}"
+
+
+def _files(d) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+def test_tag_is_a_safe_file_name():
+    assert journal_tag("127.0.0.1", 8123) == "127.0.0.1_8123"
+    assert journal_tag("::1", 80) == "__1_80"
+    assert journal_tag("0.0.0.0", 0) == "0.0.0.0_0"
+
+
+def test_lines_are_exact_and_replay_keeps_the_live_set(tmp_path):
+    j, took = FutureJournal.open(str(tmp_path), TAG, 0, 2)
+    assert (took.records, took.files, took.bad_lines) == ([], 0, 0)
+    j.add(_fid(1), "sidA", 0)
+    j.add(_fid(2), "sidB", 3)
+    j.add(_fid(3), "sidA", 0)
+    j.end(_fid(2))
+    assert (j.live, j.records) == (2, 4)
+    data = (tmp_path / f"{TAG}.0.journal").read_bytes()
+    first = f"+{_fid(1)} sidA 0".encode()
+    assert data.startswith(first + b" %08x\n" % zlib.crc32(first))
+    assert data.endswith(f"-{_fid(2)}".encode() + b" %08x\n" % zlib.crc32(f"-{_fid(2)}".encode()))
+    live, bad = read_journal(data)
+    assert (list(live.values()), bad) == ([JournalRecord(_fid(1), "sidA", 0), JournalRecord(_fid(3), "sidA", 0)], 0)
+    j.close()
+    assert _files(tmp_path) == [f"{TAG}.0.journal"]  # two futures still owed: the file stays
+
+
+def test_an_empty_journal_is_removed_at_close(tmp_path):
+    j, _ = FutureJournal.open(str(tmp_path), TAG, 1, 2)
+    j.add(_fid(1), "s", 0)
+    j.end(_fid(1))
+    j.close()
+    assert _files(tmp_path) == []
+
+
+def test_cut_and_corrupt_lines_are_ignored(tmp_path):
+    good = jmod.add_line(_fid(1), "s", 0) + jmod.add_line(_fid(2), "s", 1)
+    flipped = bytearray(jmod.add_line(_fid(3), "s", 0))
+    flipped[5] ^= 0x01  # one bit of the fid: the CRC no longer matches
+    bad_crc_end = jmod.end_line(_fid(1))[:-3] + b"zz\n"  # the end of fid 1 is unreadable: fid 1 stays live
+    cut = jmod.add_line(_fid(4), "s", 0)[:-7]  # the last write was cut short (no newline)
+    data = good + bytes(flipped) + b"\xff\xfe garbage\n" + bad_crc_end + b"\n" + cut
+    live, bad = read_journal(data)
+    assert list(live) == [_fid(1), _fid(2)]
+    assert bad == 5  # flipped, garbage, bad CRC, the empty line, the cut tail
+    (tmp_path / f"{TAG}.0.journal").write_bytes(data)
+    j, took = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+    assert took.records == [JournalRecord(_fid(1), "s", 0), JournalRecord(_fid(2), "s", 1)]
+    assert (took.files, took.bad_lines) == (1, 5)
+    # The new file holds exactly the two live records (rewritten, the bad lines gone).
+    assert (tmp_path / f"{TAG}.0.journal").read_bytes() == good
+    j.close()
+
+
+def test_compaction_rewrites_the_live_set_and_appending_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(jmod, "COMPACT_SLACK", 10)
+    j, _ = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+    live: dict[str, JournalRecord] = {}
+    for i in range(30):
+        j.add(_fid(i), "s", i % 2)
+        live[_fid(i)] = JournalRecord(_fid(i), "s", i % 2)
+        if i % 3:
+            j.end(_fid(i))
+            del live[_fid(i)]
+        if j.needs_compaction:
+            j.compact(live.values())
+    assert j.compactions >= 1 and j.live == len(live) == 10
+    j.add(_fid(99), "t", 7)
+    live[_fid(99)] = JournalRecord(_fid(99), "t", 7)
+    path = tmp_path / f"{TAG}.0.journal"
+    got, bad = read_journal(path.read_bytes())
+    assert (got, bad) == (live, 0)
+    assert len(path.read_bytes().splitlines()) == j.records < 2 * j.live + 10 + 1
+    j.close()
+    assert _files(tmp_path) == [f"{TAG}.0.journal"]
+
+
+def test_take_over_maps_old_shards_onto_the_new_count(tmp_path):
+    """4 shards before, 2 after: shard 0 takes journals 0 and 2, shard 1 takes 1 and 3; a
+    gateway on another address keeps its own files; a cut rewrite's temporary file goes."""
+    for k in range(4):
+        (tmp_path / f"{TAG}.{k}.journal").write_bytes(jmod.add_line(_fid(k), f"s{k}", k))
+    other = journal_tag("127.0.0.1", 9999)
+    (tmp_path / f"{other}.0.journal").write_bytes(jmod.add_line(_fid(50), "x", 0))
+    (tmp_path / f"{TAG}.2.journal.tmp.12345").write_bytes(b"half")
+    j0, t0 = FutureJournal.open(str(tmp_path), TAG, 0, 2)
+    j1, t1 = FutureJournal.open(str(tmp_path), TAG, 1, 2)
+    assert [r.fid for r in t0.records] == [_fid(0), _fid(2)] and t0.files == 2
+    assert [r.fid for r in t1.records] == [_fid(1), _fid(3)] and t1.files == 2
+    assert _files(tmp_path) == sorted([f"{other}.0.journal", f"{TAG}.0.journal", f"{TAG}.1.journal"])
+    # A second take-over (another restart) still finds them: they stay until ended.
+    j0.close()
+    j0, t0 = FutureJournal.open(str(tmp_path), TAG, 0, 2)
+    assert [r.fid for r in t0.records] == [_fid(0), _fid(2)]
+    for r in t0.records:
+        j0.end(r.fid)
+    j0.close()
+    j1.close()
+    assert _files(tmp_path) == sorted([f"{other}.0.journal", f"{TAG}.1.journal"])
+
+
+def test_take_over_waits_for_the_old_holder_then_sees_its_last_records(tmp_path):
+    """A stopping encoder still holds the lock and writes; the new one waits for it and reads
+    what it wrote last. A holder that never lets go is waited for only ``lock_wait_s``."""
+    old, _ = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+    old.add(_fid(1), "s", 0)
+
+    def finish() -> None:
+        time.sleep(0.3)
+        old.add(_fid(2), "s", 0)
+        old.end(_fid(1))
+        os.close(old.fd)  # the process exits: its lock goes
+
+    t = threading.Thread(target=finish)
+    t.start()
+    new, took = FutureJournal.open(str(tmp_path), TAG, 0, 1, lock_wait_s=5.0)
+    t.join()
+    assert [r.fid for r in took.records] == [_fid(2)]
+    assert 0.2 < took.waited_s < 3 and took.lock_timeouts == 0
+    # A holder that never lets go (``new`` keeps its lock): bounded wait, then taken over anyway.
+    t0 = time.monotonic()
+    newer, took = FutureJournal.open(str(tmp_path), TAG, 0, 1, lock_wait_s=0.3)
+    assert 0.25 < time.monotonic() - t0 < 2 and took.lock_timeouts == 1
+    assert [r.fid for r in took.records] == [_fid(2)]
+    os.close(new.fd)
+    newer.close()
+    assert _files(tmp_path) == [f"{TAG}.0.journal"]
+
+
+# -- EncoderCore with a journal --------------------------------------------------------------
+
+class _Engine:
+    """An engine that never answers (futures stay pending)."""
+
+    async def post(self, body: bytes, headers: dict[str, str], ids=None) -> bytes:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+@pytest.fixture
+def make_core(tmp_path):
+    made = []
+
+    def make(journal: FutureJournal) -> EncoderCore:
+        name = segment_name(os.getpid(), "c0ffee01", random.randrange(10**6), 0)
+        create_segment(name, 1 << 20)
+        arena = ArenaWriter(name)
+        cfg = config_from_mapping({"shards": {"count": 1}}, env={})
+        c = EncoderCore(cfg, 0, arena, _Engine(), IdSigner(b"k", "0badcafe"), journal=journal)
+        made.append((c, arena, name))
+        return c
+
+    yield make
+    for c, arena, name in made:
+        c.close()
+        arena.close()
+        unlink_segment(name)
+
+
+def _submit(core: EncoderCore, sid: str, seq: int) -> str:
+    body = {"model": "m", "prompt": [1, 2], "n": 1, "max_tokens": 4, "temperature": 1.0, "seed": seq}
+    meta = SubmitRequest(sid=sid, seq=seq, owner="", n=1, prompt_logprobs=False, topk=0, reserve_bytes=256)
+    return core.submit(meta, json.dumps(body).encode()).request_id
+
+
+def test_a_new_core_reports_what_its_predecessor_held_as_failed_once(tmp_path, make_core):
+    async def go():
+        j, _ = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+        a = make_core(j)
+        pend = [_submit(a, "sidA", 5), _submit(a, "sidA", 1_000_000_007), _submit(a, "sidB", 9)]
+        await asyncio.sleep(0.01)
+        # The encoder dies (no close: SIGKILL); a new one takes the journal over.
+        os.close(j.fd)
+        j2, took = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+        assert [(r.fid, r.sid, r.clone) for r in took.records] == [
+            (pend[0], "sidA", 0), (pend[1], "sidA", 1), (pend[2], "sidB", 0)]
+        b = make_core(j2)
+        assert b.restore(took.records) == 3 and b.counters["restored_lost"] == 3
+        assert b.stages()["gone"] == 3
+        # Each session's poller gets its own, as failed (ok=False), once.
+        r = await b.session_poll(SessionPollRequest(sid="sidA", clone=0, after=0, upto=time.monotonic_ns(), limit=10))
+        assert [(ev.fid, ev.ok) for ev in r.events] == [(pend[0], False)]
+        cursor = r.events[0].stamp
+        r = await b.session_poll(SessionPollRequest(sid="sidA", clone=1, after=0, upto=time.monotonic_ns(), limit=10))
+        assert [(ev.fid, ev.ok) for ev in r.events] == [(pend[1], False)]
+        # retrieve_future answers 410 (PollGone).
+        assert isinstance(await b.poll(PollRequest(fid=pend[0], timeout=0)), PollGone)
+        # The cursor passed pend[0]: its report is done and its record ended.
+        r = await b.session_poll(SessionPollRequest(sid="sidA", clone=0, after=cursor, upto=time.monotonic_ns(),
+                                                    limit=10))
+        assert r.events == []
+        assert b.table[pend[0]].journaled is False and j2.live == 2
+        # A second restart still reports the two not yet passed.
+        os.close(j2.fd)
+        j3, took = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+        assert [r.fid for r in took.records] == [pend[1], pend[2]]
+        # The TTL drops them and ends their records.
+        c = make_core(j3)
+        c.restore(took.records)
+        c.sweep(time.monotonic() + c.cfg.futures.completed_ttl_s + 1)
+        assert c.table == {} and j3.live == 0
+        j3.close()
+        assert _files(tmp_path) == []
+
+    asyncio.run(go())
