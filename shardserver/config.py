@@ -210,11 +210,12 @@ class FuturesConfig:
     # TTL sweep period.
     sweep_interval_s: float = 1.0
     # Serve POST /api/v1/retrieve_futures (the SDK's session-wide poller, tinker >= 0.26.2) and
-    # announce it in /client/config (``sample_use_retrieve_futures``). Off by default: a poller-mode
-    # SDK learns of a future only from the server, so samples in flight when the server restarts
-    # (or an encoder dies) are never reported and wait until the caller's own timeout; per-request
-    # polling gets 410 and resubmits.
-    retrieve_futures: bool = False
+    # announce it in /client/config (``sample_use_retrieve_futures``). A poller-mode SDK learns of
+    # a future only from the server: futures in flight when the gateway restarts or an encoder
+    # dies are kept in a journal in ``server.state_dir`` and reported as failed by the next
+    # encoder of their shard (the SDK then gets 410 and resubmits). Without a writable state_dir
+    # they are not reported and wait for the caller's own timeout: turn this off there.
+    retrieve_futures: bool = True
     # Most completions one retrieve_futures answer lists (the rest come with the next poll).
     retrieve_futures_max_ids: int = 1024
     # Serve POST /api/v1/cancel_future and announce it in /client/dynamic_config

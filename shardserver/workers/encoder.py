@@ -1008,8 +1008,6 @@ class EncoderProc:
                 hb_task.cancel()
             server.close()
             core.close("server shutting down")
-            if core.journal is not None:
-                core.journal.close()
             await probe.close()
             await engine.close()
             try:
@@ -1024,4 +1022,8 @@ class EncoderProc:
                 os.unlink(sock_path)
             except FileNotFoundError:
                 pass
+            # Last, after every await: a SUBMIT that arrived during the shutdown is journaled too.
+            j, core.journal = core.journal, None
+            if j is not None:
+                j.close()
             log.info("encoder %d stopped", shard)

@@ -1,5 +1,6 @@
 """Restarts that clients survive (issue 11, items 1-3): the real SDK keeps sampling while the
-gateway is stopped (SIGTERM) or crashes (SIGKILL) and is started again on the same port."""
+gateway is stopped (SIGTERM) or crashes (SIGKILL) and is started again on the same port, with
+the session-wide poller (``retrieve_futures``, the default) and with per-request polling."""
 
 from __future__ import annotations
 
@@ -58,6 +59,15 @@ def _children(pgid: int) -> list[int]:
     return out
 
 
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``, in a /metrics text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def _check(resp, prompt: list[int], seed: int) -> None:
     want = expected_sequences(engine_body(prompt, 1, 12, seed))
     assert [list(s.tokens) for s in resp.sequences] == [w["tokens"] for w in want]
@@ -66,13 +76,18 @@ def _check(resp, prompt: list[int], seed: int) -> None:
 
 
 @pytest.mark.sdk
-@pytest.mark.parametrize("config,sig", [("demo", signal.SIGTERM), ("demo", signal.SIGKILL),
-                                        ("production", signal.SIGTERM)])
-def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig):
+@pytest.mark.parametrize("config,sig,poller", [
+    ("demo", signal.SIGTERM, True), ("demo", signal.SIGKILL, True), ("production", signal.SIGTERM, True),
+    ("production", signal.SIGKILL, True), ("demo", signal.SIGKILL, False)])
+def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig, poller):
     """32 samples in flight through SDK 0.38; the gateway is stopped (SIGTERM) or killed (SIGKILL)
     and started again on the same port (10 ms after the kill). Every sample completes with the
     right tokens and no error reaches the caller: futures of the old run answer 410 and are
-    resubmitted, and the sampling session of the old run is still valid."""
+    resubmitted, and the sampling session of the old run is still valid.
+
+    ``poller``: the SDK waits on the session-wide poller (the shipped default; the new run's
+    encoders report the futures the old run held as failed, from their journals), else on one
+    ``retrieve_future`` per sample (the server's flag turned off)."""
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
     from tinker import types
@@ -81,11 +96,14 @@ def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig):
     cfg_path = REPO / "configs" / f"{config}.toml"
     env = _production_env(tmp_path / "state") if config == "production" else _env(tmp_path)
     env["SHARDSERVER_SIMULATOR__LATENCY_S"] = "0.2"  # samples are in flight when the gateway stops
+    if not poller:
+        env["SHARDSERVER_FUTURES__RETRIEVE_FUTURES"] = "false"
     first = RunningServer(config=cfg_path, env=env, args=["--port", str(port)]).__enter__()
     second = None
     try:
-        sampler = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=API_KEY) \
-            .create_sampling_client(base_model=BASE_MODEL).result(60)
+        service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=API_KEY)
+        sampler = service.create_sampling_client(base_model=BASE_MODEL).result(60)
+        assert service.holder.get_client_config().sample_use_retrieve_futures is poller
         in_flight: dict[cf.Future, int] = {}
         done: dict[int, object] = {}
         errors: list[BaseException] = []
@@ -102,7 +120,7 @@ def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig):
         for _ in range(32):
             submit()
         restarted_at = None
-        deadline = time.monotonic() + 100
+        deadline = time.monotonic() + 60
         while in_flight and time.monotonic() < deadline:
             ready, _ = cf.wait(list(in_flight), timeout=1.0, return_when=cf.FIRST_COMPLETED)
             for fut in ready:
@@ -132,6 +150,17 @@ def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig):
         m = http_json(f"http://127.0.0.1:{port}/metrics")[2].decode()
         assert 'shardserver_http_requests_total{code="200",endpoint="asample"}' in m
         assert 'code="404"' not in m
+        # Futures the old run held that the new run's encoders took over from their journals.
+        lost = _metric(m, "shardserver_encoder_events_total", event="restored_lost")
+        if poller:
+            # The samples waited on the poller, which got the old run's futures as failed; the
+            # SDK asked for them (410) and resubmitted them.
+            assert sampler._futures_poller is not None
+            assert _metric(m, "shardserver_http_requests_total", code="200", endpoint="retrieve_futures") > 0
+            assert lost > 0
+            assert _metric(m, "shardserver_http_requests_total", code="410", endpoint="retrieve_future") > 0
+        else:
+            assert _metric(m, "shardserver_http_requests_total", endpoint="retrieve_futures") == 0
         assert second.proc.poll() is None
     finally:
         first.stop()
