@@ -361,3 +361,77 @@ def test_sigterm_releases_a_held_poller_at_once():
     assert box["r"] == (200, {"completions": [], "cursor": 0})
     assert box["t"] - t0 < 4.0  # before the 5 s graceful period ends
     assert not any("Traceback" in line for line in s.log_lines)
+
+
+@pytest.mark.sdk
+def test_encoder_sigkill_its_futures_are_reported_failed_and_the_sdk_resubmits():
+    """An encoder is SIGKILLed while futures wait for the engine on it; the supervisor respawns
+    it. The new encoder reads the shard's journal and reports every future its predecessor held
+    to that session's poller as ``failed``; ``retrieve_future`` answers 410 for them, and the SDK
+    0.38 (waiting on the poller) resubmits: every sample finishes with the engine's exact tokens.
+    Futures of the other shard are not touched."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import signal
+
+    import tinker
+    from tinker import types
+
+    from shardserver.ids import shard_of
+
+    env = {"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(16 * 1024 * 1024), "SHARDSERVER_SIMULATOR__LATENCY_S": "5",
+           **POLLER_ON}
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rids = [api.submit(ssid, [8, i], seq_id=i, max_tokens=4, seed=i) for i in range(6)]
+        service = tinker.ServiceClient(base_url=s.url, api_key="tml-poller-kill")
+        sampler = service.create_sampling_client(base_model=BASE_MODEL).result(60)
+        futs = [sampler.sample(prompt=types.ModelInput.from_ints([21, i]), num_samples=1,
+                               sampling_params=types.SamplingParams(max_tokens=12, seed=i, temperature=1.0))
+                for i in range(16)]
+
+        def pending() -> dict[int, int]:
+            return {sh["shard"]: sh["futures"].get("pending", 0) for sh in s.stats()["shards"]}
+
+        assert _wait(lambda: sum(pending().values()) == 22, timeout=20), pending()
+        before = s.stats()["shards"]
+        victim = shard_of(rids[0], 2)
+        held = pending()[victim]
+        os.kill([sh["pid"] for sh in before if sh["shard"] == victim][0], signal.SIGKILL)
+        # By hand: the session's poller gets the victim's futures as failed (503 while the shard
+        # restarts), the other shard's as finished once the engine answers.
+        got: dict[str, dict] = {}
+        cursor = 0
+        deadline = time.monotonic() + 30
+        while len(got) < 6 and time.monotonic() < deadline:
+            st, js = _poll(api, ssid, cursor, timeout=5, http_timeout=15)
+            if st == 503:
+                time.sleep(0.2)
+                continue
+            assert st == 200, js
+            cursor = js["cursor"]
+            got.update((c["request_id"], c) for c in js["completions"])
+        assert sorted(got) == sorted(rids)
+        for rid in rids:
+            if shard_of(rid, 2) == victim:
+                assert got[rid] == {"state": "failed", "request_id": rid}
+                st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
+                assert st == 410, b
+            else:
+                assert got[rid]["state"] == "finished"
+        # The SDK's samples: every one finishes, exact, within a bounded time.
+        t_end = time.monotonic() + 60
+        results = [f.result(timeout=max(0.1, t_end - time.monotonic())) for f in futs]
+        for i, r in enumerate(results):
+            _check(r, engine_body([21, i], 1, 12, i))
+        assert sampler._futures_poller is not None
+        after = {sh["shard"]: sh for sh in s.stats()["shards"]}
+        assert after[victim]["pid"] != [sh["pid"] for sh in before if sh["shard"] == victim][0]
+        assert after[victim]["counters"].get("restored_lost", 0) == held
+        assert after[1 - victim]["counters"].get("restored_lost", 0) == 0
+        # Each lost SDK sample was asked for once more (410) and resubmitted (200).
+        sdk_lost = held - sum(1 for r in rids if shard_of(r, 2) == victim)
+        assert sdk_lost >= 0
+        assert _http_count(s.url, "asample") == 6 + 16 + sdk_lost
+        service.holder.close()
