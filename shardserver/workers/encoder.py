@@ -910,8 +910,9 @@ class EncoderProc:
         if not tag or not cfg.server.state_dir:
             return None, []
         try:
+            # A journal untouched for longer than a GONE future is kept is of no use to anyone.
             journal, took = FutureJournal.open(os.path.join(cfg.server.state_dir, JOURNAL_DIR), tag, shard,
-                                               cfg.shards.count)
+                                               cfg.shards.count, stale_s=cfg.futures.completed_ttl_s)
         except OSError as exc:
             log.warning("encoder %d: cannot keep a futures journal in %s (%s): futures in flight when this encoder "
                         "or the gateway restarts will not be reported to pollers", shard, cfg.server.state_dir, exc)

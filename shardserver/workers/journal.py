@@ -143,6 +143,28 @@ def _lock(fd: int, deadline: float) -> bool:
         time.sleep(0.02)
 
 
+def _remove_stale(directory: str, tag: str, stale_s: float) -> None:
+    """Remove the journals in ``directory`` of tags other than ``tag`` that nobody holds and
+    that were last written more than ``stale_s`` seconds ago."""
+    now = time.time()
+    for name in os.listdir(directory):
+        if not name.endswith(_SUFFIX) or name.startswith(tag + "."):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime > stale_s and _lock(fd, 0.0):
+                os.unlink(path)
+                log.info("removed the stale futures journal %s", path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 class FutureJournal:
     """The open journal of one shard (see the module docstring). Made by :meth:`open`.
 
@@ -159,18 +181,22 @@ class FutureJournal:
 
     @classmethod
     def open(cls, directory: str, tag: str, shard: int, shards: int,
-             lock_wait_s: float = 5.0) -> tuple[FutureJournal, JournalTakeover]:
+             lock_wait_s: float = 5.0, stale_s: float = 0.0) -> tuple[FutureJournal, JournalTakeover]:
         """Take over the journals of shard ``shard`` and start its new one.
 
         Every ``<tag>.<k>.journal`` in ``directory`` with ``k % shards == shard`` is locked
         (waiting up to ``lock_wait_s`` s for a dying holder), replayed, and replaced by one file,
         ``<tag>.<shard>.journal``, holding the futures still owed a report, which are returned
-        (their records stay in the new journal until :meth:`end`).
+        (their records stay in the new journal until :meth:`end`). ``stale_s`` > 0: journals of
+        other gateways (other tags) not written for ``stale_s`` seconds and not locked are
+        removed (a gateway that never came back on that address).
 
         Raises:
             OSError: the directory or a file cannot be created, read or written.
         """
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        if stale_s > 0:
+            _remove_stale(directory, tag, stale_s)
         pat = re.compile(re.escape(tag) + r"\.(\d+)" + re.escape(_SUFFIX) + r"(\.tmp\.\d+)?$")
         mine = os.path.join(directory, f"{tag}.{shard}{_SUFFIX}")
         taken: list[tuple[str, int]] = []

@@ -236,3 +236,24 @@ def test_a_new_core_reports_what_its_predecessor_held_as_failed_once(tmp_path, m
         assert _files(tmp_path) == []
 
     asyncio.run(go())
+
+
+def test_stale_journals_of_other_gateways_are_removed_unless_held(tmp_path):
+    old = journal_tag("127.0.0.1", 7001)
+    held = journal_tag("127.0.0.1", 7002)
+    fresh = journal_tag("127.0.0.1", 7003)
+    for t in (old, held, fresh):
+        (tmp_path / f"{t}.0.journal").write_bytes(jmod.add_line(_fid(1), "s", 0))
+    long_ago = time.time() - 7200
+    for t in (old, held):
+        os.utime(tmp_path / f"{t}.0.journal", (long_ago, long_ago))
+    # Its own stale file is taken over, never removed.
+    (tmp_path / f"{TAG}.0.journal").write_bytes(jmod.add_line(_fid(2), "s", 0))
+    os.utime(tmp_path / f"{TAG}.0.journal", (long_ago, long_ago))
+    keeper, _ = FutureJournal.open(str(tmp_path), held, 0, 1)  # a live gateway holds its file
+    os.utime(keeper.path, (long_ago, long_ago))
+    j, took = FutureJournal.open(str(tmp_path), TAG, 0, 1, stale_s=3600)
+    assert [r.fid for r in took.records] == [_fid(2)]
+    assert _files(tmp_path) == sorted([f"{held}.0.journal", f"{fresh}.0.journal", f"{TAG}.0.journal"])
+    keeper.close()
+    j.close()
