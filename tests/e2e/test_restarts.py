@@ -161,6 +161,10 @@ def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig, poller):
             assert _metric(m, "shardserver_http_requests_total", code="410", endpoint="retrieve_future") > 0
         else:
             assert _metric(m, "shardserver_http_requests_total", endpoint="retrieve_futures") == 0
+            st, _, b = http_json(f"http://127.0.0.1:{port}/api/v1/retrieve_futures", method="POST",
+                                 body={"target": {"sampling_session_id": "x"}, "prev_cursor": 0})
+            assert (st, json.loads(b)) == (404, {"error": "retrieve_futures is disabled on this server "
+                                                          "(futures.retrieve_futures = false)"})
         assert second.proc.poll() is None
     finally:
         first.stop()
