@@ -621,7 +621,7 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
         **{k: str(v) for k, v in dict(spec.get("extra_env") or {}).items()},
     }
     if spec.get("mode") == "poller":
-        env["SHARDSERVER_FUTURES__RETRIEVE_FUTURES"] = "true"  # off by default (see FuturesConfig)
+        env["SHARDSERVER_FUTURES__RETRIEVE_FUTURES"] = "true"  # the default; explicit for runs of older trees
     me = os.getpid()
     print(f"\n== {label}: {spec['requests']} x {spec['tokens']} tokens, "
           f"{spec['concurrency']} in flight, {spec['connections']} connections, engine delay "

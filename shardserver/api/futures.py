@@ -25,10 +25,13 @@ poll runs in up to three steps, each a SESSION_POLL to every shard:
 3. When a shard woke: collect again (step 1, no acks) and answer that.
 
 A shard that is down (restarting) or does not answer makes the poll answer 503, which the SDK
-retries after 1 s with the same cursor and acks, so no completion is skipped. What the poller
-cannot report is a future the server forgot: one in flight when the gateway restarted or its
-encoder died (the log goes with it); the SDK's wait for it ends only by the caller's own
-timeout. That is why ``futures.retrieve_futures`` is off by default.
+retries after 1 s with the same cursor and acks, so no completion is skipped. A future in flight
+when the gateway restarted or its encoder died is not forgotten: each encoder journals the
+futures it owes a report for in ``server.state_dir``
+(:mod:`shardserver.workers.journal`), and the next encoder of the shard reports them as failed
+(stamped at its start, so after any cursor of the earlier run); ``retrieve_future`` answers 410
+and the SDK resubmits. Without a ``state_dir`` no journal is kept and such a future is never
+reported (the SDK's wait ends only by the caller's own timeout).
 
 ``POST /api/v1/cancel_future`` (tinker >= 0.26, when ``/client/dynamic_config`` says
 ``sample_cancel_enabled``; the SDK sends it when the caller stops waiting for a sample): the

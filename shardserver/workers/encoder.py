@@ -42,6 +42,11 @@ in a range and forgets those the client's cursor has passed; an entry also leave
 its future leaves the table (TTL, eviction, ack, cancel), so the logs never hold more than the
 table. A pending future whose TTL passes becomes GONE (kept for ``futures.completed_ttl_s``) so
 that the poller reports it and the SDK resubmits.
+
+With the poller on, the shard journals the futures it owes a report for
+(:mod:`shardserver.workers.journal`): one record at SUBMIT, one when its session's cursor passes
+it or it leaves the table. A new encoder of the shard restores its predecessor's as GONE entries
+(:meth:`EncoderCore.restore`), which the next SESSION_POLL reports as failed.
 """
 
 from __future__ import annotations
@@ -905,9 +910,14 @@ class EncoderProc:
     @staticmethod
     def _open_journal(cfg: Config, shard: int, tag: str) -> tuple[FutureJournal | None, list[JournalRecord]]:
         """Take over this shard's journals and open its new one (see
-        :mod:`shardserver.workers.journal`); ``(None, [])`` with a warning when there is no
+        :mod:`shardserver.workers.journal`); ``(None, [])`` when the poller is off
+        (``futures.retrieve_futures``: nobody to report to), and with a warning when there is no
         ``server.state_dir`` or it cannot be written."""
-        if not tag or not cfg.server.state_dir:
+        if not tag or not cfg.futures.retrieve_futures:
+            return None, []
+        if not cfg.server.state_dir:
+            log.warning("encoder %d: no server.state_dir: futures in flight when this encoder or the gateway restarts "
+                        "will not be reported to pollers", shard)
             return None, []
         try:
             # A journal untouched for longer than a GONE future is kept is of no use to anyone.
