@@ -35,7 +35,8 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["FutureJournal", "JournalRecord", "JournalTakeover", "journal_tag", "read_journal", "COMPACT_SLACK"]
+__all__ = ["FutureJournal", "JournalRecord", "JournalTakeover", "journal_tag", "read_journal", "add_line", "end_line",
+           "COMPACT_SLACK", "JOURNAL_DIR"]
 
 log = logging.getLogger("shardserver.journal")
 
