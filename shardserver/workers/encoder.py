@@ -968,7 +968,8 @@ class EncoderProc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         arena = ArenaWriter(arena_name)
-        journal, taken = EncoderProc._open_journal(cfg, shard, journal_tag)
+        # In a thread: waiting for a stopping predecessor's lock must not stop the heartbeat.
+        journal, taken = await asyncio.to_thread(EncoderProc._open_journal, cfg, shard, journal_tag)
         engine = EngineClient(cfg.engine, engine_url)
         await engine.start()
         from ..health import EngineProbe
