@@ -280,6 +280,9 @@ def test_engine_unavailable_for_good_fails_after_the_budget_and_recovers():
         time.sleep(0.8)
         st, _, b = http_json(s.url + "/readyz")
         ready = json.loads(b)
+        # The gauge while a sample is being re-forwarded (a probe, which still answers, ends the
+        # outage only once no request is re-forwarded, so it is read here and not after the failures).
+        assert metric(s, "shardserver_engine_unavailable_seconds", shard="0") >= 0.7
         assert st == 503 and ready["engine_unavailable"] == [0] and ready["engine_down"] == []
         assert re.search(r"encoder 0: engine requests to http://127\.0\.0\.1:\d+/v1/completions failing for "
                          r"[0-9.]+ s, last: engine returned HTTP 503: The engine is currently busy", ready["reason"])
@@ -312,7 +315,6 @@ def test_engine_unavailable_for_good_fails_after_the_budget_and_recovers():
         c = counters(s)
         assert c["engine_budget_exhausted"] == 3 and c["failed_server"] == 3
         assert metric(s, "shardserver_engine_budget_exhausted_total", shard="0") == 3
-        assert metric(s, "shardserver_engine_unavailable_seconds", shard="0") >= 2.0
         # Recovery is automatic once the engine answers.
         eng.configure(status=None)
         rid3, prompt3 = submit(api, ssid, 108, 2)
