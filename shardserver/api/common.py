@@ -26,6 +26,7 @@ from ..ids import FutureIdStatus
 from .state import FrontendContext, context
 
 __all__ = ["BodyError", "error", "read_json", "json_nesting", "MAX_JSON_NESTING", "validation_message", "TIMED_OUT_SCOPE_KEY", "WAIT_WRITTEN_SCOPE_KEY",
+           "CONNECTION_SCOPE_KEY",
            "CLIENT_CLOSED"]
 
 # Set in the ASGI scope by the connection (shardserver.workers.http_conn) when the request's body
@@ -35,6 +36,11 @@ TIMED_OUT_SCOPE_KEY = "shardserver.timed_out"
 # True once every byte of the response left the process on a connection that stayed open
 # (shardserver.workers.http_conn.GatewayHttpProtocol.wait_written).
 WAIT_WRITTEN_SCOPE_KEY = "shardserver.wait_written"
+# Set in the ASGI scope by the connection: the connection itself
+# (shardserver.workers.http_conn.GatewayHttpProtocol), whose ``closed()``, ``wait_flushed()``,
+# ``wait_written()`` and ``abort_response()`` let a result be sent straight from the arena
+# (shardserver.api.sampling.ResultResponse).
+CONNECTION_SCOPE_KEY = "shardserver.connection"
 # Status recorded (never sent: nobody is listening) for a request whose client closed the
 # connection before its body was complete; nginx's "client closed request".
 CLIENT_CLOSED = 499

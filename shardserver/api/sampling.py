@@ -42,13 +42,14 @@ from ..messages import (
     SubmitRefused,
     SubmitRequest,
 )
+from ..shm.arena import ArenaReader
 from .auth import owner_of
-from .common import WAIT_WRITTEN_SCOPE_KEY, error, read_json, refuse_future_id
+from .common import CONNECTION_SCOPE_KEY, WAIT_WRITTEN_SCOPE_KEY, error, read_json, refuse_future_id
 from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
 from .state import FrontendContext, context
 
-__all__ = ["router", "PROTO_MEDIA_TYPE", "REFUSAL_STATUS", "ResultResponse", "asample", "retrieve_future",
-           "request_digest"]
+__all__ = ["router", "PROTO_MEDIA_TYPE", "REFUSAL_STATUS", "RESULT_TAIL_BYTES", "ResultResponse", "asample",
+           "retrieve_future", "request_digest"]
 
 log = logging.getLogger("shardserver.frontend")
 
@@ -69,6 +70,11 @@ REFUSAL_STATUS = {
 router = APIRouter()
 
 
+#: Bytes at the end of a result sent straight from the arena that are held back until the rest
+#: was taken by the kernel and the slot's generation re-checked (see :class:`ResultResponse`).
+RESULT_TAIL_BYTES = 64
+
+
 class ResultResponse(Response):
     """A finished result's bytes; reports delivery (``on_delivered()``) only when its last byte was
     written to a connection that stayed open.
@@ -81,21 +87,59 @@ class ResultResponse(Response):
     in the completed stage and a re-poll gets it (the retrieved TTL never starts). Elsewhere
     (e.g. a test client) only a disconnect seen before the write counts.
 
+    **Sent from the arena** (``slot`` given; the scope carries the connection,
+    :data:`~shardserver.api.common.CONNECTION_SCOPE_KEY`): ``content`` is a
+    :meth:`~shardserver.shm.arena.ArenaReader.view` of the slot, not a copy. The transport
+    (uvloop) writes what the socket takes at once and keeps a *reference* to the rest, which it
+    reads from the arena when the socket has room again. The encoder may free and reuse the
+    slot at any time (TTL, eviction of a delivered result polled again, cancel, ack), so the
+    bytes read are the result's only if the slot's generation is unchanged *after* the last
+    of them was read (generations never repeat; the writer zeroes the generation before reuse).
+    Hence: everything but the last :data:`RESULT_TAIL_BYTES` goes out first; once the
+    transport's buffer is empty (the kernel took those bytes), the tail is copied and the
+    generation checked; only if it is unchanged is the tail sent. If it changed, the
+    connection is reset (:meth:`~shardserver.workers.http_conn.GatewayHttpProtocol.abort_response`):
+    the client got fewer bytes than ``Content-Length``, a cut response and never a complete
+    wrong one, ``on_cut()`` is called (counted as ``retrieve_cut_slot_reused``) and the result is
+    not reported delivered (a re-poll answers 410 if it is gone, and the SDK resubmits).
+
     Args:
-        content: the result (proto or JSON bytes).
+        content: the result (proto or JSON bytes, or a view of its arena slot with ``slot``).
         media_type: its Content-Type.
         on_delivered: called once the result counts as delivered.
-        headers: extra response headers.
+        headers: extra response headers (ignored when ``raw_headers`` is given).
         written_timeout_s: how long to wait for the write buffer to empty.
+        raw_headers: the complete raw header list, prebuilt (what ``headers`` would give).
+        slot: ``(reader, offset, generation)`` of the arena slot ``content`` views.
+        on_cut: called when a response from the arena was cut because the slot was reused.
     """
 
-    def __init__(self, content: bytes, media_type: str, on_delivered, headers: dict[str, str],
-                 written_timeout_s: float = 75.0) -> None:
-        super().__init__(content=content, media_type=media_type, headers=headers)
+    def __init__(self, content: bytes | memoryview, media_type: str, on_delivered,
+                 headers: dict[str, str] | None = None, written_timeout_s: float = 75.0, *,
+                 raw_headers: list[tuple[bytes, bytes]] | None = None,
+                 slot: tuple[ArenaReader, int, int] | None = None, on_cut=None) -> None:
+        if raw_headers is None:
+            super().__init__(content=bytes(content) if slot is None and isinstance(content, memoryview) else content,
+                             media_type=media_type, headers=headers)
+        else:  # what Response.__init__ sets, with the headers built by the caller
+            self.status_code = 200
+            self.media_type = media_type
+            self.background = None
+            self.body = content  # type: ignore[assignment]
+            self.raw_headers = raw_headers
         self._on_delivered = on_delivered
         self._written_timeout_s = written_timeout_s
+        self._slot = slot
+        self._on_cut = on_cut
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        conn = scope.get(CONNECTION_SCOPE_KEY) if self._slot is not None else None
+        if conn is not None:
+            await self._send_from_arena(conn, send)
+            return
+        body = self.body if self._slot is None else self._copy()
+        if body is None:
+            return
         # The request body was read already, so a pending receive() completes only on disconnect
         # (or, in uvicorn, once the response is complete): look before writing.
         watch = asyncio.ensure_future(receive())
@@ -103,7 +147,7 @@ class ResultResponse(Response):
             await asyncio.sleep(0)
             lost = watch.done()
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": self.body})
+            await send({"type": "http.response.body", "body": body})
         finally:
             watch.cancel()
         if lost:
@@ -112,6 +156,44 @@ class ResultResponse(Response):
         if wait_written is not None and not await wait_written(self._written_timeout_s):
             return
         self._on_delivered()
+
+    def _copy(self) -> bytes | None:
+        """The slot's bytes copied out (no connection to send the view on); None if it was reused."""
+        reader, offset, generation = self._slot  # type: ignore[misc]
+        data = bytes(self.body)
+        return data if reader.valid(offset, generation) else None
+
+    async def _send_from_arena(self, conn, send) -> None:
+        reader, offset, generation = self._slot  # type: ignore[misc]
+        view: memoryview = self.body  # type: ignore[assignment]
+        await asyncio.sleep(0)  # a disconnect already received is seen before the first write
+        if conn.closed():
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": view[:-RESULT_TAIL_BYTES], "more_body": True})
+        while True:
+            flushed = await conn.wait_flushed(self._written_timeout_s)
+            if flushed is False:
+                return  # the connection broke: the tail never went out, nothing delivered
+            if not reader.valid(offset, generation):
+                self._cut(conn)
+                return
+            if flushed:
+                break
+            # A client that stopped reading: keep waiting while the slot is still the result's.
+        tail = bytes(view[-RESULT_TAIL_BYTES:])
+        if not reader.valid(offset, generation):
+            self._cut(conn)
+            return
+        await send({"type": "http.response.body", "body": tail})
+        if not await conn.wait_written(self._written_timeout_s):
+            return
+        self._on_delivered()
+
+    def _cut(self, conn) -> None:
+        conn.abort_response()
+        if self._on_cut is not None:
+            self._on_cut()
 
 
 class _Refused(Exception):
@@ -313,8 +395,16 @@ async def retrieve_future(request: Request) -> Response:
         except asyncio.TimeoutError:
             reply = PollPending()
         if isinstance(reply, PollDone):
+            # Straight from the arena (no copy) when the connection can check the slot after
+            # sending (ResultResponse); a copy when the JSON must be derived or elsewhere.
+            from_arena = (reply.form == want and reply.length > RESULT_TAIL_BYTES
+                          and CONNECTION_SCOPE_KEY in request.scope)
             try:
-                data = ctx.reader(reply.arena).read(reply.offset, reply.length, reply.generation)
+                reader = ctx.reader(reply.arena)
+                if from_arena:
+                    data = reader.view(reply.offset, reply.length, reply.generation)
+                else:
+                    data = reader.read(reply.offset, reply.length, reply.generation)
             except (SlotInvalidError, FileNotFoundError) as exc:
                 log.debug("re-polling %s after a stale read: %s", fid, exc)
                 continue
@@ -322,10 +412,13 @@ async def retrieve_future(request: Request) -> Response:
                 data = sample_response_to_json(data)
             ctx.count("retrieve_done")
             ctx.count("bytes_delivered", len(data))
+            media = PROTO_MEDIA_TYPE if want == ResultForm.PROTO else "application/json"
             return ResultResponse(
-                data, PROTO_MEDIA_TYPE if want == ResultForm.PROTO else "application/json",
-                lambda: client.delivered(fid),
-                headers={**fe_header, "X-Shardserver-Shard": str(shard)}, written_timeout_s=cfg.server.keep_alive_s)
+                data, media, lambda: client.delivered(fid),
+                written_timeout_s=cfg.server.keep_alive_s,
+                raw_headers=ctx.result_headers(shard, media, len(data)),
+                slot=(reader, reply.offset, reply.generation) if from_arena else None,
+                on_cut=lambda: ctx.count("retrieve_cut_slot_reused"))
         if isinstance(reply, PollPending):
             ctx.count("retrieve_408")
             return JSONResponse({"type": "try_again", "request_id": fid, "queue_state": "active"},

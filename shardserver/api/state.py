@@ -61,6 +61,8 @@ class FrontendContext:
     fe_header: dict[str, str] = field(init=False)
     engine_windows: dict[str, int] = field(default_factory=dict)
     _windows_task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _result_headers: dict[tuple[int, str], list[tuple[bytes, bytes]]] = field(default_factory=dict, init=False,
+                                                                              repr=False)
 
     def __post_init__(self) -> None:
         self.fe_header = {"X-Shardserver-Front-End": str(self.index), "X-Shardserver-Host": self.cfg.server.host_id}
@@ -88,6 +90,19 @@ class FrontendContext:
                 self.note_engine_windows(engine_models_of(await gather_stats([c], timeout=2.0)))
             fast = not self.engine_windows and asyncio.get_running_loop().time() < fast_until
             await asyncio.sleep(min(interval, 0.2) if fast else interval)
+
+    def result_headers(self, shard: int, media_type: str, length: int) -> list[tuple[bytes, bytes]]:
+        """The raw headers of a 200 result of ``length`` bytes from ``shard``: exactly what
+        starlette's ``Response(headers={**fe_header, "X-Shardserver-Shard": str(shard)},
+        media_type=media_type)`` builds (lower-cased given headers in order, then content-length,
+        then content-type), with everything but the length built once per (shard, media type)."""
+        key = (shard, media_type)
+        head = self._result_headers.get(key)
+        if head is None:
+            hdrs = {**self.fe_header, "X-Shardserver-Shard": str(shard)}
+            head = self._result_headers[key] = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                                                for k, v in hdrs.items()]
+        return [*head, (b"content-length", b"%d" % length), (b"content-type", media_type.encode("latin-1"))]
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

@@ -74,6 +74,7 @@ SLOT_HEADER = 16
 ALIGN = 64
 _HDR = struct.Struct("<QQ")
 _SB = struct.Struct("<8sQ")
+_GEN = struct.Struct("<Q")
 _NAME_RE = re.compile(r"^shardserver-(\d+)-([0-9a-f]{8})-a(\d+)\.(\d+)$")
 
 
@@ -357,6 +358,7 @@ class ArenaReader:
     def __init__(self, name: str) -> None:
         self.name = name
         self._mm, self.size = _open_map(name, writable=False)
+        self._view = memoryview(self._mm).toreadonly()
 
     def read(self, offset: int, length: int, generation: int) -> bytes:
         """Copy of the payload of the slot at ``offset``, validated against ``generation``.
@@ -378,5 +380,41 @@ class ArenaReader:
                 f"slot at {offset} of {self.name} was reused during the read (generation {gen2})")
         return data
 
+    def view(self, offset: int, length: int, generation: int) -> memoryview:
+        """A read-only view of the payload of the slot at ``offset`` (no copy), valid *now*.
+
+        Unlike :meth:`read`, the bytes are not taken: the writer may free and reuse the slot
+        while the view is being read. A caller that passes the view on (e.g. to a socket) must
+        call :meth:`valid` after the last byte was read from it; only then are the bytes read
+        known to be the result's (seqlock style: generations never repeat, and ``free`` zeroes
+        the generation before the space can be reused). The view pins the mapping: :meth:`close`
+        while one is alive leaves the unmapping to the last view's release.
+
+        Returns:
+            ``length`` bytes (``memoryview``, format ``B``, read-only).
+
+        Raises:
+            SlotInvalidError: the slot is outside the arena, or freed or reused already.
+        """
+        if offset < SUPERBLOCK or offset + SLOT_HEADER + length > SUPERBLOCK + self.size:
+            raise SlotInvalidError(f"slot at {offset} (+{length}) is outside arena {self.name}")
+        gen, ln = _HDR.unpack_from(self._mm, offset)
+        if gen != generation or ln != length:
+            raise SlotInvalidError(
+                f"slot at {offset} of {self.name} modified or invalid (generation {gen}, expected {generation})")
+        start = offset + SLOT_HEADER
+        return self._view[start:start + length]
+
+    def valid(self, offset: int, generation: int) -> bool:
+        """Whether the slot at ``offset`` still holds ``generation`` (never freed since it was
+        committed with it): every byte read from it before this call was the result's."""
+        return _GEN.unpack_from(self._mm, offset)[0] == generation
+
     def close(self) -> None:
-        self._mm.close()
+        """Unmap the arena; with views of it still alive (a response still being sent), the
+        mapping goes when the last of them is released."""
+        self._view.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still exported; the mmap object unmaps when it is freed
+            pass

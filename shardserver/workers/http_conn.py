@@ -41,6 +41,7 @@ import errno
 import logging
 import resource
 import socket
+import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from typing import Any, Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ..api.common import TIMED_OUT_SCOPE_KEY, WAIT_WRITTEN_SCOPE_KEY
+from ..api.common import CONNECTION_SCOPE_KEY, TIMED_OUT_SCOPE_KEY, WAIT_WRITTEN_SCOPE_KEY
 from ..metrics import ACCEPT_ERRORS, CONNECTION_CAP_REACHED, CONNECTION_TIMEOUTS, CONNECTIONS_EVICTED, CONNECTIONS_OPEN
 
 __all__ = ["ConnectionLimits", "GatewayHttpProtocol", "Listener", "RateLimitedLog", "effective_max_connections",
@@ -227,7 +228,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_headers_complete()
         if self.cycle is not None:
-            self.cycle.scope[WAIT_WRITTEN_SCOPE_KEY] = self.wait_written  # type: ignore[literal-required]
+            scope = self.cycle.scope
+            scope[WAIT_WRITTEN_SCOPE_KEY] = self.wait_written  # type: ignore[literal-required]
+            scope[CONNECTION_SCOPE_KEY] = self  # type: ignore[literal-required]
         if self._draining and self.cycle is not None:
             self.cycle.keep_alive = False  # answered with Connection: close, then closed
         if self.parser is not None and self.cycle is not None and self.cycle.more_body:
@@ -280,6 +283,59 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 await asyncio.wait_for(self._write_event.wait(), min(left, 0.05))
             except asyncio.TimeoutError:
                 pass
+
+    def closed(self) -> bool:
+        """Whether the connection is lost or closing (the client left, or we closed it)."""
+        return self._lost is not False or self.transport.is_closing()
+
+    async def wait_flushed(self, timeout: float) -> bool | None:
+        """Wait until the transport's write buffer is empty: every byte written so far was
+        taken by the kernel (copied into the socket), so the objects they came from are no
+        longer read. Returns True then (connection open), False when the connection is lost or
+        closing, None when ``timeout`` seconds passed first.
+
+        While waiting, the buffer's low- and high-water marks are 0, so ``resume_writing`` comes
+        exactly when the buffer empties (no polling); they are restored afterwards.
+        """
+        t = self.transport
+        if self.closed():
+            return False
+        if t.get_write_buffer_size() == 0:
+            return True
+        if self._write_event is None:
+            self._write_event = asyncio.Event()
+        ev = self._write_event
+        low, high = t.get_write_buffer_limits()
+        ev.clear()
+        t.set_write_buffer_limits(high=0, low=0)  # paused while anything is buffered; resumed at empty
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if not t.is_closing():
+                t.set_write_buffer_limits(high=high, low=low)
+        if self.closed():
+            return False
+        return True if t.get_write_buffer_size() == 0 else None
+
+    def abort_response(self) -> None:
+        """Cut the response in progress: reset the connection (``SO_LINGER`` 0, so bytes still in
+        the kernel's send queue are discarded too) without finishing it. The client sees fewer
+        bytes than ``Content-Length`` announced (or a reset), never a complete response."""
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.disconnected = True  # uvicorn: no "returned without completing response" error
+            cycle.message_event.set()
+        if self.transport.is_closing():
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        self.transport.abort()
 
     # -- shutdown -------------------------------------------------------------------------------
     def begin_drain(self) -> None:
