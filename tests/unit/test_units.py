@@ -136,6 +136,30 @@ def arena():
     unlink_segment(name)
 
 
+def test_arena_view_is_no_copy_and_valid_tells_reuse(arena):
+    """ArenaReader.view: the slot's bytes without a copy (issue 12 item 2); valid() is False once
+    the slot was freed, and stays False after the space is reused (generations never repeat);
+    close() with a view still alive does not raise (the mapping goes with the last view)."""
+    w, r = arena
+    s1 = w.write(b"A" * 100)
+    off, gen1 = s1.offset, s1.generation
+    v = r.view(off, 100, gen1)
+    assert v.readonly and v.tobytes() == b"A" * 100 and r.valid(off, gen1)
+    w.free(s1)
+    assert not r.valid(off, gen1)
+    s2 = w.write(b"B" * 100)
+    assert s2.offset == off and s2.generation != gen1
+    assert v.tobytes() == b"B" * 100  # the view reads the arena itself: reuse shows through ...
+    assert not r.valid(off, gen1)  # ... and the generation check catches it
+    with pytest.raises(SlotInvalidError, match="modified or invalid"):
+        r.view(off, 100, gen1)
+    with pytest.raises(SlotInvalidError, match="outside arena"):
+        r.view(r.size, 100, s2.generation)
+    r.close()  # a view is alive: no BufferError
+    assert v.tobytes() == b"B" * 100
+    v.release()
+
+
 def test_arena_write_read_free(arena):
     w, r = arena
     s1 = w.write(b"hello world")
