@@ -119,6 +119,12 @@ async def read_frame(reader: asyncio.StreamReader) -> Frame:
     return Frame(kind, tag, rest[4:4 + mlen], rest[4 + mlen:])
 
 
+def _time_out(fut: asyncio.Future[object]) -> None:
+    """A request's timer: its reply did not come in time (``asyncio.TimeoutError``)."""
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
 class ControlClient:
     """A front-end's connection to one encoder, with request/reply matching and reconnects.
 
@@ -222,15 +228,18 @@ class ControlClient:
         self._next_tag = (tag % 0xFFFFFFF0) + 1
         if not self._write(encode_frame(kind, tag, msg, blob)):
             raise EncoderDeadError(f"encoder {self.shard} is not connected")
-        fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[object] = loop.create_future()
         self._pending[tag] = (fut, kind)
         if kind == Kind.POLL:
             self._polls.add(tag)
+        # A timer on the reply future itself (asyncio.wait_for would add a task-side wrapper).
+        timer = None if timeout is None else loop.call_later(timeout, _time_out, fut)
         try:
-            if timeout is None:
-                return await fut
-            return await asyncio.wait_for(fut, timeout)
+            return await fut
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(tag, None)
             self._polls.discard(tag)
 

@@ -117,14 +117,33 @@ async def read_json(request: Request) -> Any:
     if cl is not None and cl.isdigit() and int(cl) > max_body:
         raise BodyError(413, f"request body of {cl} bytes exceeds server.max_request_bytes={max_body}")
     # Count while receiving: a chunked upload without Content-Length is cut off at the limit.
+    # The ASGI messages themselves (what starlette's Request.stream() yields, without its async
+    # generator): http.request chunks until more_body is false, or http.disconnect.
     parts: list[bytes] = []
     size = 0
+    receive = request.receive
+    if hasattr(request, "_body"):  # read already (by whatever ran before), as Request.stream() does
+        parts.append(request._body)
+        size = len(request._body)
+        if size > max_body:
+            raise BodyError(413, f"request body exceeds server.max_request_bytes={max_body} bytes")
+    elif request._stream_consumed:
+        raise RuntimeError("Stream consumed")
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise BodyError(413, f"request body exceeds server.max_request_bytes={max_body} bytes")
-            parts.append(chunk)
+        while not request._stream_consumed:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > max_body:
+                    raise BodyError(413, f"request body exceeds server.max_request_bytes={max_body} bytes")
+                if chunk:
+                    parts.append(chunk)
+                if not message.get("more_body", False):
+                    request._stream_consumed = True
+            elif message["type"] == "http.disconnect":
+                request._is_disconnected = True
+                raise ClientDisconnect()
     except ClientDisconnect:
         if request.scope.get(TIMED_OUT_SCOPE_KEY):
             raise BodyError(408, "request body not received within server.body_timeout_s") from None
