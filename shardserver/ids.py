@@ -82,6 +82,10 @@ class FutureIdStatus(enum.Enum):
     INVALID = "invalid"             # malformed or never issued: 404
 
 
+#: How many opened sampling-session IDs an :class:`IdSigner` remembers.
+OPENED_CACHE_SIZE = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingSession:
     """What a sampling-session ID carries (mirrors the SDK's create_sampling_session fields)."""
@@ -110,6 +114,9 @@ class IdSigner:
         if not HOST_ID_RE.fullmatch(host_id):
             raise ValueError(f"host_id must be 1-16 characters of [a-z0-9], got {host_id!r}")
         self._key = hashlib.blake2b(secret, digest_size=32).digest()
+        # Sampling-session IDs this signer opened, by (ID, owner): every asample of a session
+        # carries the same ID, and a verified ID stays valid for the signer's life.
+        self._opened: dict[tuple[str, str], SamplingSession] = {}
         self.run_id = run_id
         self.host_id = host_id
 
@@ -175,12 +182,24 @@ class IdSigner:
                     "q": sess.seq, "r": os.urandom(6).hex()}, owner)
 
     def open_sampling_session_id(self, token: object, owner: str = "") -> SamplingSession | None:
-        """The :class:`SamplingSession` a signed ID carries, or None if it is not ours."""
+        """The :class:`SamplingSession` a signed ID carries, or None if it is not ours.
+
+        Successful opens are remembered (up to :data:`OPENED_CACHE_SIZE` IDs, then the memory
+        starts over), so a session's next ``asample`` skips the MAC and the payload decode."""
+        key = (token, owner)
+        if isinstance(token, str):
+            hit = self._opened.get(key)  # type: ignore[arg-type]
+            if hit is not None:
+                return hit
         p = self._open_payload("ss-", token, owner)
         if p is None:
             return None
-        return SamplingSession(session_id=str(p.get("s", "")), base_model=p.get("b"),
+        sess = SamplingSession(session_id=str(p.get("s", "")), base_model=p.get("b"),
                                model_path=p.get("p"), seq=int(p.get("q", 0)))
+        if len(self._opened) >= OPENED_CACHE_SIZE:
+            self._opened.clear()
+        self._opened[key] = sess  # type: ignore[index]
+        return sess
 
 
 # -- the signing secret ------------------------------------------------------------------------

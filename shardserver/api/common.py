@@ -15,6 +15,7 @@ import json
 import re
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from fastapi import Request
@@ -73,6 +74,7 @@ def validation_message(exc: ValidationError) -> str:
 #: fails at ``sys.getrecursionlimit()`` minus however deep the ASGI stack above the handler is.
 MAX_JSON_NESTING = 900
 
+_fast_json = msgspec.json.Decoder().decode
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _OPENS = np.zeros(256, np.int8)
 _OPENS[[ord("["), ord("{")]] = 1
@@ -151,6 +153,15 @@ async def read_json(request: Request) -> Any:
             from None
     body = b"".join(parts)
     nested = BodyError(400, "request body is not valid JSON: arrays/objects nested too deeply")
+    brackets = body.count(b"[") + body.count(b"{")
+    if brackets <= MAX_JSON_NESTING:
+        # msgspec gives the same objects as json.loads for every document both accept; on
+        # anything it refuses (NaN, 1e400, UTF-16, lone surrogates, bad JSON) json.loads decides,
+        # so accepted documents and error messages stay the stdlib's.
+        try:
+            return _fast_json(body) if body else {}
+        except msgspec.DecodeError:
+            pass
     try:
         doc = json.loads(body) if body else {}
     except ValueError as exc:
@@ -158,7 +169,7 @@ async def read_json(request: Request) -> Any:
     except RecursionError:  # the parser recurses per nesting level: ~1000 levels exhaust the stack limit
         raise nested from None
     # A real request has a few brackets; counting them runs at memchr speed.
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_NESTING and json_nesting(body) > MAX_JSON_NESTING:
+    if brackets > MAX_JSON_NESTING and json_nesting(body) > MAX_JSON_NESTING:
         raise nested
     return doc
 

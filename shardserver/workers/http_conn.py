@@ -142,6 +142,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._limits = limits
         self._listener = listener
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = 0.0      # loop time at which _timer fires
+        self._deadline = 0.0        # loop time at which the current phase times out
         self._phase = ""            # "headers" or "body" while a timer runs
         self._started = False       # a byte of the current request arrived
         self._draining = False
@@ -151,15 +153,36 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, phase: str, seconds: float) -> None:
-        self._disarm()
+        """Time ``phase`` out in ``seconds``. One timer per connection is reused: a timer that
+        fires before the new deadline stays and re-arms itself for the rest (no timer created
+        and cancelled per request on a busy keep-alive connection)."""
         self._phase = phase
-        self._timer = self.loop.call_later(seconds, self._on_timeout)
-
-    def _disarm(self) -> None:
+        when = self.loop.time() + seconds
+        self._deadline = when
         if self._timer is not None:
+            if self._timer_when <= when:
+                return
+            self._timer.cancel()
+        self._timer_when = when
+        self._timer = self.loop.call_at(when, self._on_timer)
+
+    def _disarm(self, cancel: bool = False) -> None:
+        """No phase is timed any more; the timer itself is only cancelled with ``cancel``
+        (otherwise it fires with nothing to do, or is re-used by the next :meth:`_arm`)."""
+        self._phase = ""
+        if cancel and self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._phase = ""
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if not self._phase:
+            return
+        if self.loop.time() < self._deadline:  # armed again since this timer was set
+            self._timer_when = self._deadline
+            self._timer = self.loop.call_at(self._deadline, self._on_timer)
+            return
+        self._on_timeout()
 
     def _on_timeout(self) -> None:
         phase, self._timer, self._phase = self._phase, None, ""
@@ -198,7 +221,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._lost = exc if exc is not None else True
         if self._write_event is not None:
             self._write_event.set()
-        self._disarm()
+        self._disarm(cancel=True)
         if self.idle_since and self._listener is not None:
             self._listener.not_idle(self)
         self.idle_since = 0.0
@@ -358,7 +381,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def evict(self) -> None:
         """Close this idle keep-alive connection to make room under the cap."""
-        self._disarm()
+        self._disarm(cancel=True)
         CONNECTIONS_EVICTED.inc()
         self.transport.close()
 

@@ -123,6 +123,26 @@ def test_sampling_session_ids_carry_the_model():
     assert IdSigner(b"other", "00000001").open_sampling_session_id(ss) is None
 
 
+def test_opened_sampling_session_ids_are_remembered_per_owner():
+    """IdSigner remembers IDs it opened (issue 12 item 2: no MAC per asample), keyed by ID and
+    owner: another key's use of the ID is still refused, a tampered ID still fails, and the
+    memory starts over at OPENED_CACHE_SIZE."""
+    from shardserver.ids import OPENED_CACHE_SIZE
+
+    s = IdSigner(b"secret", "00000001")
+    ss = s.mint_sampling_session_id(SamplingSession("s-x", "Qwen/Qwen3-8B", None, 3), owner="key-a")
+    first = s.open_sampling_session_id(ss, "key-a")
+    assert first is not None and s.open_sampling_session_id(ss, "key-a") is first
+    assert s.open_sampling_session_id(ss, "key-b") is None
+    assert s.open_sampling_session_id(ss[:-1] + ("0" if ss[-1] != "0" else "1"), "key-a") is None
+    for i in range(OPENED_CACHE_SIZE):
+        assert s.open_sampling_session_id(
+            s.mint_sampling_session_id(SamplingSession("s-y", None, "p", i), owner="key-a"), "key-a").seq == i
+    assert len(s._opened) <= OPENED_CACHE_SIZE
+    again = s.open_sampling_session_id(ss, "key-a")
+    assert again == first and s.open_sampling_session_id(ss, "key-b") is None
+
+
 # -- arenas ------------------------------------------------------------------------------------
 @pytest.fixture
 def arena():
