@@ -141,6 +141,9 @@ class ControlClient:
         self.path = path
         self.shard = shard
         self._writer: asyncio.StreamWriter | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Frames queued in this loop iteration, written together by _flush (None: nothing queued).
+        self._out: list[bytes] | None = None
         # tag -> (reply future, the kind of the request it answers)
         self._pending: dict[int, tuple[asyncio.Future[object], Kind]] = {}
         self._polls: set[int] = set()
@@ -155,7 +158,8 @@ class ControlClient:
         return self._connected.is_set()
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(
             self._run(), name=f"control-client-{self.shard}")
 
     async def wait_connected(self, timeout: float) -> bool:
@@ -190,6 +194,7 @@ class ControlClient:
             finally:
                 self._connected.clear()
                 self._writer = None
+                self._out = None  # frames for the lost connection: their requests fail below
                 writer.close()
                 self._fail_all(f"encoder {self.shard} connection lost")
 
@@ -228,7 +233,7 @@ class ControlClient:
         self._next_tag = (tag % 0xFFFFFFF0) + 1
         if not self._write(encode_frame(kind, tag, msg, blob)):
             raise EncoderDeadError(f"encoder {self.shard} is not connected")
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         fut: asyncio.Future[object] = loop.create_future()
         self._pending[tag] = (fut, kind)
         if kind == Kind.POLL:
@@ -332,21 +337,41 @@ class ControlClient:
     def _write(self, frame: bytes) -> bool:
         """Queue ``frame`` on the connection; False when there is none or it is closing.
 
+        Frames queued in one event-loop iteration (the POLLs, SUBMITs and DELIVEREDs of every
+        request handled in it) go out in one write at the end of it (:meth:`_flush`), in order.
         The encoder may have died a moment ago: its socket is closed before :meth:`_run` sees
         the end of the stream and clears ``_writer``, and writing to a closed transport raises
-        (``RuntimeError`` in uvloop). Both mean the same as "not connected".
+        (``RuntimeError`` in uvloop). Both mean the same as "not connected"; frames queued for
+        a connection that is lost before the flush are dropped (their requests fail with it).
         """
         w = self._writer
         if w is None or w.is_closing():
             return False
-        try:
-            w.write(frame)
-        except (RuntimeError, OSError):
-            return False
+        out = self._out
+        if out is None:
+            self._out = [frame]
+            (self._loop or asyncio.get_running_loop()).call_soon(self._flush, w)
+        else:
+            out.append(frame)
         return True
+
+    def _flush(self, w: asyncio.StreamWriter) -> None:
+        if w is not self._writer:
+            return  # scheduled for a connection that was lost since (its queue was dropped)
+        out, self._out = self._out, None
+        if not out or w.is_closing():
+            return
+        try:
+            if len(out) == 1:
+                w.write(out[0])
+            else:
+                w.writelines(out)
+        except (RuntimeError, OSError):
+            pass
 
     async def close(self) -> None:
         self._closing = True
+        self._out = None
         if self._writer is not None:
             self._writer.close()
         await cancel_and_wait(self._task)
