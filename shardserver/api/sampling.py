@@ -8,8 +8,8 @@ sends both to the shard that ``(sampling_session_id, seq_id)`` hashes to (:func:
 future ID. An unset ``max_tokens`` becomes the engine's context window minus the prompt, and a
 request that cannot fit it is refused here with 400: the window is the one the engine reports in
 ``GET /v1/models`` (learned by the encoders' probes, :attr:`FrontendContext.engine_windows`),
-else ``engine.max_model_len``. ``retrieve_future`` asks the shard the future ID hashes to and copies a finished
-result straight out of that shard's arena into the response (:class:`ResultResponse`):
+else ``engine.max_model_len``. ``retrieve_future`` asks the shard the future ID hashes to and sends a finished
+result straight from that shard's arena, without a copy (:class:`ResultResponse`):
 protobuf when ``Accept`` names :data:`PROTO_MEDIA_TYPE`, else JSON. The answers are listed
 in README's ``retrieve_future`` table.
 """
@@ -361,6 +361,12 @@ async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body:
                         headers={**fe_header, "X-Shardserver-Shard": str(shard)})
 
 
+def _cut(ctx: FrontendContext, fid: str) -> None:
+    ctx.count("retrieve_cut_slot_reused")
+    log.warning("future %s: its arena slot was freed or reused while the result was being sent; "
+                "connection reset (the client re-polls)", fid)
+
+
 @router.post("/api/v1/retrieve_future")
 async def retrieve_future(request: Request) -> Response:
     """Long-poll a future (up to ``futures.long_poll_s``); the answers are README's ``retrieve_future`` table.
@@ -418,7 +424,7 @@ async def retrieve_future(request: Request) -> Response:
                 written_timeout_s=cfg.server.keep_alive_s,
                 raw_headers=ctx.result_headers(shard, media, len(data)),
                 slot=(reader, reply.offset, reply.generation) if from_arena else None,
-                on_cut=lambda: ctx.count("retrieve_cut_slot_reused"))
+                on_cut=lambda: _cut(ctx, fid))
         if isinstance(reply, PollPending):
             ctx.count("retrieve_408")
             return JSONResponse({"type": "try_again", "request_id": fid, "queue_state": "active"},

@@ -27,9 +27,18 @@ Layout (all integers little-endian)::
   channel. :meth:`ArenaReader.read` checks the header, copies the payload,
   and checks the header again (an optimistic, seqlock-style read): if the slot
   was freed or reused meanwhile it raises :class:`SlotInvalidError` and the
-  copy is discarded. Front-ends send that copy to the socket, so the slot is
-  never read after the copy returns and may be reused at once (Python 3.11's
-  transports copy unsent data anyway; see README.md, decision "reading a slot").
+  copy is discarded. Front-ends send results without that copy:
+  :meth:`ArenaReader.view` checks the header and hands out a view of the
+  payload, and the sender calls :meth:`ArenaReader.valid` once the last byte
+  was read from the view (the transport's buffer is empty); the writer never
+  waits for readers, so a slot may be reused at any time and only that second
+  check says whether the bytes sent were the result's
+  (:class:`shardserver.api.sampling.ResultResponse`; README.md, decision
+  "reading a slot").
+* When the writer frees a committed slot: its future's TTL passed (completed or
+  retrieved), it was cancelled or acknowledged, or a full arena evicted it
+  (only delivered results are evicted, but a delivered result may be polled
+  again and be sent while it is evicted).
 * Ordering: the writer stores the generation last on commit and zeroes it first on free;
   the reader loads it before and after the copy. That is enough on x86-64, whose stores are
   not reordered with stores nor loads with loads (the machines this runs on); a weakly
