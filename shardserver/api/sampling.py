@@ -30,7 +30,6 @@ from ..config import EngineConfig
 from ..engine_request import completion_request_body, context_window
 from ..errors import EncoderDeadError, SlotInvalidError
 from ..ids import shard_of
-from ..shm.arena import ArenaWriter
 from ..metrics import count_asample_refused
 from ..messages import (
     PollDone,
@@ -42,7 +41,7 @@ from ..messages import (
     SubmitRefused,
     SubmitRequest,
 )
-from ..shm.arena import ArenaReader
+from ..shm.arena import ArenaReader, ArenaWriter
 from .auth import owner_of
 from .common import CONNECTION_SCOPE_KEY, WAIT_WRITTEN_SCOPE_KEY, error, read_json, refuse_future_id
 from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
