@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -139,7 +140,9 @@ def test_engine_that_never_runs_the_request_fails_after_the_budget(fapi):
     _, st, _, body = _sample(fapi, 9007)
     err = json.loads(body)
     assert st == 200 and err["category"] == "server"
-    assert "unavailable for 1." in err["error"] and "(engine.unavailable_budget_s = 1)" in err["error"]
+    # How long is read off the engine's clock: at least the budget; more on a loaded machine.
+    m = re.search(r"unavailable for (\d+\.\d) s \(engine\.unavailable_budget_s = 1\)", err["error"])
+    assert m is not None and float(m.group(1)) >= 1.0, err["error"]
     assert "last: engine returned HTTP 429: (empty body)" in err["error"]
     assert time.monotonic() - t0 >= 1.0
 
