@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ConnectionBroken", "RawResponse", "RawConnection"]
+__all__ = ["ConnectionBroken", "RawResponse", "RawConnection", "open_result_poll"]
 
 
 class ConnectionBroken(Exception):
@@ -105,3 +106,29 @@ class RawConnection:
         before reusing a pooled connection)."""
         await asyncio.sleep(0)
         return self.reader is None or self.reader.at_eof() or self.writer is None or self.writer.is_closing()
+
+
+def open_result_poll(port: int, rid: str, rcvbuf: int = 16 * 1024) -> tuple[socket.socket, int, bytes]:
+    """Send ``retrieve_future`` for ``rid`` (proto) on a fresh blocking socket to 127.0.0.1:``port``
+    whose receive buffer is ``rcvbuf`` bytes, and read up to the end of the 200 response's headers.
+
+    Returns ``(socket, announced Content-Length in bytes, body bytes that came with the headers)``;
+    the caller reads the rest (or not) and closes the socket. Raises AssertionError when the
+    status is not 200 or the headers do not arrive within 1000 reads.
+    """
+    body = json.dumps({"request_id": rid}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(30)
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Accept: application/x-protobuf\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    data = b""
+    for _ in range(1000):
+        if b"\r\n\r\n" in data:
+            break
+        data += s.recv(65536)
+    head, rest = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+    return s, length, rest

@@ -6,13 +6,13 @@ does count (the control case: its re-poll after the TTL answers 410)."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import numpy as np
 import pytest
 
 from conftest import Api, engine_body, expected_sequences
+from frontend_raw_http import open_result_poll
 from shardserver.testing import RunningServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -44,19 +44,7 @@ def _submit(api: Api, ssid: str, seq_id: int) -> str:
 def _poll_and_cut(port: int, rid: str) -> tuple[int, bytes]:
     """retrieve_future on a raw socket with a small receive buffer; read CUT_AT bytes of the
     body, then close. Returns (announced Content-Length, the body bytes read)."""
-    body = json.dumps({"request_id": rid}).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
-    s.settimeout(30)
-    s.connect(("127.0.0.1", port))
-    s.sendall(b"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Accept: application/x-protobuf\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += s.recv(65536)
-    head, rest = data.split(b"\r\n\r\n", 1)
-    assert head.startswith(b"HTTP/1.1 200 "), head
-    length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+    s, length, rest = open_result_poll(port, rid)
     while len(rest) < CUT_AT:
         rest += s.recv(65536)
     s.close()  # unread bytes in the receive buffer: the kernel answers with a reset

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import Api, engine_body, expected_sequences
+from frontend_raw_http import open_result_poll
 from shardserver.api.sampling import RESULT_TAIL_BYTES
 from shardserver.testing import RunningServer, http_json
 
@@ -48,27 +49,6 @@ def _submit(api: Api, ssid: str, seq_id: int, seed: int) -> str:
 
 def _stats(url: str) -> dict:
     return json.loads(http_json(url + "/stats")[2])
-
-
-def _open_poll(port: int, rid: str) -> tuple[socket.socket, int, bytes]:
-    """retrieve_future on a raw socket with a small receive buffer; returns the socket, the
-    announced Content-Length and the body bytes read with the headers."""
-    body = json.dumps({"request_id": rid}).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
-    s.settimeout(30)
-    s.connect(("127.0.0.1", port))
-    s.sendall(b"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Accept: application/x-protobuf\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    data = b""
-    for _ in range(1000):
-        if b"\r\n\r\n" in data:
-            break
-        data += s.recv(65536)
-    head, rest = data.split(b"\r\n\r\n", 1)
-    assert head.startswith(b"HTTP/1.1 200 "), head
-    length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
-    return s, length, rest
 
 
 def _read_to_end(s: socket.socket, rest: bytes, length: int) -> tuple[bytes, str]:
@@ -105,7 +85,7 @@ def test_result_read_whole_is_byte_exact_and_delivered(gateway):
     ssid = api.sampling_session()
     rid = _submit(api, ssid, 1, seed=7)
     _wait_done(api, rid)  # computed (and delivered once; the next poll is sent from the arena again)
-    s, length, rest = _open_poll(gateway.port, rid)
+    s, length, rest = open_result_poll(gateway.port, rid)
     with s:
         body, ended = _read_to_end(s, rest, length)
     assert ended == "complete" and len(body) == length > 8_000_000
@@ -127,7 +107,7 @@ def test_slot_reused_while_sending_cuts_the_response(gateway):
             break
         time.sleep(0.2)
     delivered0 = sum(sh["counters"].get("delivered", 0) for sh in _stats(gateway.url)["shards"])
-    s, length, rest = _open_poll(gateway.port, rid)  # the client stops reading: most of it waits
+    s, length, rest = open_result_poll(gateway.port, rid)  # the client stops reading: most of it waits
     with s:
         assert length > 8_000_000
         st, _, b = api.post("/api/v1/cancel_future", {"request_id": rid})  # the encoder frees the slot
