@@ -921,8 +921,11 @@ class EncoderProc:
             return None, []
         try:
             # A journal untouched for longer than a GONE future is kept is of no use to anyone.
+            # A predecessor stopping after its supervisor died may take server.graceful_shutdown_s
+            # and its event loop's last awaits: its journal is read only once it let go.
             journal, took = FutureJournal.open(os.path.join(cfg.server.state_dir, JOURNAL_DIR), tag, shard,
-                                               cfg.shards.count, stale_s=cfg.futures.completed_ttl_s)
+                                               cfg.shards.count, lock_wait_s=cfg.server.graceful_shutdown_s + 10.0,
+                                               stale_s=cfg.futures.completed_ttl_s)
         except OSError as exc:
             log.warning("encoder %d: cannot keep a futures journal in %s (%s): futures in flight when this encoder "
                         "or the gateway restarts will not be reported to pollers", shard, cfg.server.state_dir, exc)

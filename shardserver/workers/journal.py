@@ -144,6 +144,30 @@ def _lock(fd: int, deadline: float) -> bool:
         time.sleep(0.02)
 
 
+def _open_locked(path: str, deadline: float) -> int | None:
+    """Open ``path`` and ``flock`` it, waiting until ``deadline`` (monotonic s) for its holder.
+
+    A holder that compacts its journal renames a new file over ``path`` and lets the old one go,
+    so a lock won on the old inode proves nothing: after locking, the descriptor must still be
+    the file at ``path``, else it is opened again. Returns the locked descriptor; ``-fd - 1`` for
+    one still locked at the deadline (read without the lock); None when ``path`` is gone.
+    """
+    for _ in range(1000):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        locked = _lock(fd, deadline)
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same or not locked:
+            return fd if locked else -fd - 1
+        os.close(fd)  # replaced while we waited: lock the file that is there now
+    return None
+
+
 def _remove_stale(directory: str, tag: str, stale_s: float) -> None:
     """Remove the journals in ``directory`` of tags other than ``tag`` that nobody holds and
     that were last written more than ``stale_s`` seconds ago."""
@@ -217,14 +241,14 @@ class FutureJournal:
                     except FileNotFoundError:
                         pass
                     continue
-                try:
-                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-                except FileNotFoundError:
+                fd = _open_locked(path, deadline)
+                if fd is None:
                     continue
-                taken.append((path, fd))
-                if not _lock(fd, deadline):
+                if fd < 0:  # still locked at the deadline: read it anyway
+                    fd = -fd - 1
                     out.lock_timeouts += 1
                     log.warning("journal %s is still locked after %.1f s; taking it over anyway", path, lock_wait_s)
+                taken.append((path, fd))
                 with os.fdopen(os.dup(fd), "rb") as f:
                     found, bad = read_journal(f.read())
                 out.files += 1
