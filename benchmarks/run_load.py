@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+import tempfile
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -621,7 +622,11 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
         **{k: str(v) for k, v in dict(spec.get("extra_env") or {}).items()},
     }
     if spec.get("mode") == "poller":
-        env["SHARDSERVER_FUTURES__RETRIEVE_FUTURES"] = "true"  # the default; explicit for runs of older trees
+        env["SHARDSERVER_FUTURES__RETRIEVE_FUTURES"] = "true"  # off by default
+    # The run's own state directory (ID secret, futures journals), removed after the run: a
+    # benchmark leaves nothing in the user's default server.state_dir.
+    state_dir = tempfile.mkdtemp(prefix="shardserver-bench-state-")
+    env.setdefault("SHARDSERVER_SERVER__STATE_DIR", state_dir)
     me = os.getpid()
     print(f"\n== {label}: {spec['requests']} x {spec['tokens']} tokens, "
           f"{spec['concurrency']} in flight, {spec['connections']} connections, engine delay "
@@ -809,6 +814,7 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
                 p.join(5)
         sup_pid = server.proc.pid if server.proc is not None else 0
         rc = server.stop()
+        shutil.rmtree(state_dir, ignore_errors=True)
         record["server_exit_code"] = rc
         record["leftover_processes"] = bool(server.leftover_processes)
         record["leftover_segments"] = [s for s in our_shm_segments() if s.startswith(f"shardserver-{sup_pid}-")]
