@@ -621,8 +621,8 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
         f"SHARDSERVER_SIMULATOR__{spec['engine_delay_kind'].upper()}": str(float(spec["engine_delay_s"])),
         **{k: str(v) for k, v in dict(spec.get("extra_env") or {}).items()},
     }
-    if spec.get("mode") == "poller":
-        env["SHARDSERVER_FUTURES__RETRIEVE_FUTURES"] = "true"  # off by default
+    # The server announces the poller only in poller mode (per_request: as SDKs before 0.26.2 poll).
+    env["SHARDSERVER_FUTURES__RETRIEVE_FUTURES"] = "true" if spec.get("mode") == "poller" else "false"
     # The run's own state directory (ID secret, futures journals), removed after the run: a
     # benchmark leaves nothing in the user's default server.state_dir.
     state_dir = tempfile.mkdtemp(prefix="shardserver-bench-state-")

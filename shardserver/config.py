@@ -213,11 +213,10 @@ class FuturesConfig:
     # announce it in /client/config (``sample_use_retrieve_futures``). A poller-mode SDK learns of
     # a future only from the server: futures in flight when the gateway restarts or an encoder
     # dies are kept in a journal in ``server.state_dir`` and reported as failed by the next
-    # encoder of their shard (the SDK then gets 410 and resubmits). Off by default: after a
-    # SIGKILL of the whole gateway and an immediate restart, a few samples in flight can still
-    # wait forever in poller mode (an open race, docs/OPERATIONS.md); per-request polling gets 410
-    # and resubmits in every restart case.
-    retrieve_futures: bool = False
+    # encoder of their shard (the SDK then gets 410 and resubmits). Without a writable
+    # ``server.state_dir`` for the journals the gateway turns it off for the run (a WARNING):
+    # per-request polling gets 410 for lost futures and resubmits.
+    retrieve_futures: bool = True
     # Most completions one retrieve_futures answer lists (the rest come with the next poll).
     retrieve_futures_max_ids: int = 1024
     # Serve POST /api/v1/cancel_future and announce it in /client/dynamic_config

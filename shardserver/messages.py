@@ -109,6 +109,7 @@ class RefusalReason(enum.StrEnum):
     INVALID = "invalid"      # the request's fields could not be used (e.g. a prompt token out of int32)
     CONFLICT = "conflict"    # (sid, seq) already names a future of a different request (digest differs)
     INTERNAL = "internal"    # the encoder failed while handling it (an ErrorReply, folded by the client)
+    STOPPING = "stopping"    # the shard is shutting down: retry (the gateway's next run takes the request)
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -31,9 +31,9 @@ futures it owes a report for in ``server.state_dir``
 (:mod:`shardserver.workers.journal`), and the next encoder of the shard reports them as failed
 (stamped at its start, so after any cursor of the earlier run); ``retrieve_future`` answers 410
 and the SDK resubmits. Without a ``state_dir`` no journal is kept and such a future is never
-reported (the SDK's wait ends only by the caller's own timeout). ``futures.retrieve_futures`` is
-off by default: after a SIGKILL of the whole gateway and an immediate restart a few poller-mode
-samples can still wait forever (an open race, docs/OPERATIONS.md).
+reported, so the supervisor turns the poller off for a run that cannot keep journals. An encoder
+that is shutting down refuses new SUBMITs (503, the SDK retries): a future it accepted then
+would be neither answered nor journaled.
 
 ``POST /api/v1/cancel_future`` (tinker >= 0.26, when ``/client/dynamic_config`` says
 ``sample_cancel_enabled``; the SDK sends it when the caller stops waiting for a sample): the

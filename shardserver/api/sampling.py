@@ -64,6 +64,7 @@ REFUSAL_STATUS = {
     RefusalReason.INVALID: 400,
     RefusalReason.CONFLICT: 409,
     RefusalReason.INTERNAL: 500,
+    RefusalReason.STOPPING: 503,
 }
 
 router = APIRouter()
@@ -332,7 +333,8 @@ async def asample(request: Request) -> JSONResponse:
 
 
 async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body: bytes, n: int) -> JSONResponse:
-    """SUBMIT to ``shard`` and answer: 200 with the future ID, 503 when the shard is down (retry),
+    """SUBMIT to ``shard`` and answer: 200 with the future ID, 503 when the shard is down or
+    shutting down (retry),
     or the shard's refusal with the status of :data:`REFUSAL_STATUS` (429 with ``Retry-After: 1``
     when its arena has no room or its pending bounds are reached, 400 when the result could never
     fit, 409 with ``x-should-retry: false`` when ``(sampling_session_id, seq_id)`` already names a
@@ -349,7 +351,7 @@ async def _submit(ctx: FrontendContext, shard: int, submit: SubmitRequest, body:
         ctx.count(f"asample_{status}")
         count_asample_refused(reply.reason.value)
         hdrs = dict(fe_header)
-        if status == 429:
+        if status in (429, 503):
             hdrs["Retry-After"] = "1"
         elif status == 409:
             hdrs["x-should-retry"] = "false"  # the SDK's HTTP layer retries a 409 (a lock timeout) otherwise

@@ -433,8 +433,14 @@ class EncoderCore:
         whose ``digest`` differs from the first request's), or
         :class:`SubmitRefused` with reason NO_ROOM (no free arena block for the reservation, even
         after evicting delivered results), TOO_LARGE (the reservation exceeds the whole arena) or
-        INVALID (the prompt cannot be held as int32 tokens).
+        INVALID (the prompt cannot be held as int32 tokens), or STOPPING once :meth:`close` ran (a
+        future accepted then would never be answered nor journaled: the encoder's event loop
+        still serves its control connections while it winds down).
         """
+        if self._closed:
+            self.counters["rejected_stopping"] += 1
+            return SubmitRefused(reason=RefusalReason.STOPPING, message=(
+                f"shard {self.shard} is shutting down; retry (the gateway's next run takes the request)"))
         key = (req.sid, req.seq)
         fid = self.by_key.get(key)
         if fid is not None and fid in self.table:
@@ -1037,7 +1043,8 @@ class EncoderProc:
                 os.unlink(sock_path)
             except FileNotFoundError:
                 pass
-            # Last, after every await: a SUBMIT that arrived during the shutdown is journaled too.
+            # Last, after every await: a SESSION_POLL answered meanwhile still ends its journal records
+            # (SUBMITs are refused once core.close() ran: RefusalReason.STOPPING).
             j, core.journal = core.journal, None
             if j is not None:
                 j.close()

@@ -61,7 +61,7 @@ from ..prometheus_dir import mark_process_dead, prepare_prometheus_dir
 from .liveness import Heartbeats
 from ..shm.arena import (SHM_DIR, check_shm_space, create_segment, pid_alive, remove_stale_segments, segment_name,
                          unlink_segment)
-from .journal import journal_tag
+from .journal import JOURNAL_DIR, journal_tag
 
 __all__ = ["Supervisor", "ChildSpec", "StartupError"]
 
@@ -104,6 +104,22 @@ def _bind(host: str, port: int, backlog: int) -> socket.socket:
     sock.listen(backlog)
     sock.set_inheritable(True)
     return sock
+
+
+def _journal_dir_problem(state_dir: str) -> str:
+    """Why ``<state_dir>/futures`` (the encoders' journals, :mod:`shardserver.workers.journal`)
+    cannot be used, or ``""`` when it can: it is made (mode 0700) if missing and must be a
+    writable directory."""
+    if not state_dir:
+        return "server.state_dir is empty and there is no $XDG_STATE_HOME or $HOME to put it under"
+    path = os.path.join(state_dir, JOURNAL_DIR)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {path}: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable"
+    return ""
 
 
 def raise_nofile_limit() -> tuple[int, int, int, str]:
@@ -213,6 +229,17 @@ class Supervisor:
         if cfg.auth.mode == "keys":
             log.info("auth: each API key may hold %.3g of every shard's arena, pending futures and pending request "
                      "bytes (auth.key_share)", cfg.auth.key_share)
+        if cfg.futures.retrieve_futures:
+            problem = _journal_dir_problem(cfg.server.state_dir)
+            if problem:
+                # A poller-mode SDK learns of a future only from the server: without journals the
+                # futures in flight at a restart would never be reported and their samples would
+                # wait forever. Per-request polling gets 410 for them and resubmits.
+                log.warning("futures.retrieve_futures is off for this run: the futures journals cannot be kept "
+                            "(%s); SDKs poll each sample with retrieve_future instead of the session-wide poller. "
+                            "Set server.state_dir to a writable directory", problem)
+                self.cfg = cfg = dataclasses.replace(
+                    cfg, futures=dataclasses.replace(cfg.futures, retrieve_futures=False))
         self.run_dir = ""
         self.sock: socket.socket | None = None
         self.sim_sock: socket.socket | None = None

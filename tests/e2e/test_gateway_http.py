@@ -29,9 +29,9 @@ def _submit(api, ssid, prompt, *, n=1, max_tokens=8, seed=3, seq_id=0, **extra):
 
 
 def test_setup_endpoints(api):
-    # The session-wide poller is off unless futures.retrieve_futures is set (tests/e2e/test_poller.py).
+    # The session-wide poller is on by default (futures.retrieve_futures; tests/e2e/test_poller.py).
     st, h, b = api.post("/api/v1/client/config", {"sdk_version": "0.38.0"})
-    assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False})
+    assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": True})
     st, _, b = api.post("/api/v1/client/dynamic_config", {"sdk_version": "0.38.0"})
     assert (st, json.loads(b)) == (200, {"sample_cancel_enabled": True})
     st, _, b = api.post("/api/v1/create_session", {"tags": [], "user_metadata": {}, "type": "create_session"})
@@ -48,8 +48,8 @@ def test_setup_endpoints(api):
     ssid = json.loads(b)["sampling_session_id"]
     st, _, b = api.post("/api/v1/retrieve_futures", {"target": {"sampling_session_id": ssid}, "prev_cursor": 0,
                                                      "timeout": 0})
-    assert (st, json.loads(b)) == (404, {"error": "retrieve_futures is disabled on this server "
-                                                  "(futures.retrieve_futures = false)"})
+    # Nothing submitted in the session yet: no completions, the cursor stays where it was.
+    assert (st, json.loads(b)) == (200, {"completions": [], "cursor": 0})
     st, _, b = api.post(f"/api/v1/samplers/{ssid}", None)
     assert st == 200
     assert json.loads(b) == {"sampler_id": ssid, "base_model": BASE_MODEL, "model_path": None}

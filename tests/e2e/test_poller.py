@@ -25,7 +25,7 @@ from shardserver.testing import RunningServer, http_json
 
 pytestmark = [pytest.mark.timeout(180)]
 
-POLLER_ON = {"SHARDSERVER_FUTURES__RETRIEVE_FUTURES": "true"}  # off by default (see FuturesConfig)
+POLLER_ON = {"SHARDSERVER_FUTURES__RETRIEVE_FUTURES": "true"}  # the default, stated so these tests keep it
 
 
 @pytest.fixture(scope="module")

@@ -197,3 +197,40 @@ def test_backlog_above_somaxconn_is_logged_with_both_numbers():
     assert (f"WARNING shardserver.supervisor[{s.proc.pid}]: server.backlog = {cap + 1000} is above "
             f"net.core.somaxconn = {cap}: the kernel caps the listen backlog at {cap} "
             f"(raise it with: sysctl -w net.core.somaxconn={cap + 1000})") in warned[0]
+
+
+# -- the session-wide poller needs its journals ---------------------------------------------------
+def test_poller_is_turned_off_for_the_run_when_its_journals_cannot_be_kept(tmp_path):
+    """``futures.retrieve_futures`` is on by default, but a poller-mode SDK learns of a future only
+    from the server: without the journals (``<server.state_dir>/futures``) the futures in flight
+    at a restart would never be reported and their samples would wait forever. A state directory
+    whose ``futures`` entry is a plain file turns the poller off for the run, with a WARNING;
+    SDKs then poll ``retrieve_future`` (410 for a lost future) and the endpoint answers 404."""
+    import json
+
+    from shardserver.testing import RunningServer, http_json
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "futures").write_text("not a directory")
+    env = {"SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(8 * 1024 * 1024), "SHARDSERVER_SERVER__STATE_DIR": str(state)}
+    with RunningServer(env=env) as s:
+        st, _, b = http_json(s.url + "/api/v1/client/config", {"sdk_version": "0.38.0"})
+        assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False})
+        st, _, b = http_json(s.url + "/api/v1/retrieve_futures", {"target": {"sampling_session_id": "x"},
+                                                                  "prev_cursor": 0})
+        assert (st, json.loads(b)) == (404, {"error": "retrieve_futures is disabled on this server "
+                                                      "(futures.retrieve_futures = false)"})
+    warned = [line for line in s.log_lines if "futures.retrieve_futures is off for this run" in line]
+    assert len(warned) == 1, s.log_lines
+    assert (f"WARNING shardserver.supervisor[{s.proc.pid}]: futures.retrieve_futures is off for this run: the "
+            f"futures journals cannot be kept (cannot create {state}/futures: File exists); SDKs poll each "
+            f"sample with retrieve_future instead of the session-wide poller. Set server.state_dir to a "
+            f"writable directory") in warned[0]
+    # The same state directory with a real futures directory: the poller is announced.
+    (state / "futures").unlink()
+    with RunningServer(env=env) as s:
+        st, _, b = http_json(s.url + "/api/v1/client/config", {"sdk_version": "0.38.0"})
+        assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": True})
+    assert not any("futures.retrieve_futures is off" in line for line in s.log_lines)

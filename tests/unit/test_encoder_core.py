@@ -161,6 +161,25 @@ def test_close_ends_pending_futures_and_engine_calls(core):
     asyncio.run(go())
 
 
+def test_submit_after_close_is_refused_stopping_and_answers_503(core):
+    """A gateway SIGKILLed and restarted at once: its encoders wind down while their event loops
+    still read control frames, so a SUBMIT can arrive after ``close()`` (and after the journal
+    was closed). Accepting it made a future nobody would ever answer or report (a poller-mode
+    SDK waited for it forever); it is refused as STOPPING, which the front-end answers 503 with
+    Retry-After (the SDK retries the same seq_id on the next run)."""
+    async def go():
+        meta, body = _meta(31, 10)
+        core.close("server shutting down")
+        reply = core.submit(meta, body)
+        assert reply == SubmitRefused(reason=RefusalReason.STOPPING, message=(
+            "shard 0 is shutting down; retry (the gateway's next run takes the request)"))
+        assert core.table == {} and core.by_key == {} and core.arena.used_bytes == 0
+        assert core.counters["rejected_stopping"] == 1 and core.counters["submitted"] == 0
+        assert REFUSAL_STATUS[RefusalReason.STOPPING] == 503
+
+    asyncio.run(go())
+
+
 def test_engine_probe_is_a_constructor_argument(core):
     from shardserver.health import EngineProbe
 
