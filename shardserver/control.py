@@ -248,6 +248,18 @@ class ControlClient:
             self._pending.pop(tag, None)
             self._polls.discard(tag)
 
+    async def _checked(self, kind: Kind, msg: msgspec.Struct, timeout: float | None) -> object:
+        """:meth:`request` for kinds whose encoder-side error is the caller's exception.
+
+        Raises:
+            ControlError: the encoder answered with an :class:`~shardserver.messages.ErrorReply`.
+            EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
+        """
+        reply = await self.request(kind, msg, timeout=timeout)
+        if isinstance(reply, ErrorReply):
+            raise ControlError(f"encoder {self.shard} could not answer {kind.name}: {reply.message}")
+        return reply
+
     async def submit(self, req: SubmitRequest, body: bytes, timeout: float | None = None) -> SubmitReply:
         """SUBMIT: register a sample request whose engine request body (JSON bytes) is ``body``.
 
@@ -288,10 +300,7 @@ class ControlClient:
             ControlError: the encoder answered with an error.
             EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
         """
-        reply = await self.request(Kind.STATS, StatsRequest(), timeout=timeout)
-        if isinstance(reply, ErrorReply):
-            raise ControlError(f"encoder {self.shard} could not answer STATS: {reply.message}")
-        return reply  # type: ignore[return-value]
+        return await self._checked(Kind.STATS, StatsRequest(), timeout)  # type: ignore[return-value]
 
     async def session_poll(self, req: SessionPollRequest, timeout: float | None = None) -> SessionPollReply:
         """SESSION_POLL: one session's completions in this shard (held up to ``req.timeout`` s).
@@ -300,10 +309,7 @@ class ControlClient:
             ControlError: the encoder answered with an error.
             EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
         """
-        reply = await self.request(Kind.SESSION_POLL, req, timeout=timeout)
-        if isinstance(reply, ErrorReply):
-            raise ControlError(f"encoder {self.shard} could not answer SESSION_POLL: {reply.message}")
-        return reply  # type: ignore[return-value]
+        return await self._checked(Kind.SESSION_POLL, req, timeout)  # type: ignore[return-value]
 
     async def cancel(self, fid: str, timeout: float | None = None) -> CancelReply:
         """CANCEL: stop and forget future ``fid``; the reply says which state it was in.
@@ -312,10 +318,7 @@ class ControlClient:
             ControlError: the encoder answered with an error.
             EncoderDeadError, asyncio.TimeoutError, ControlProtocolError: as :meth:`request`.
         """
-        reply = await self.request(Kind.CANCEL, CancelRequest(fid=fid), timeout=timeout)
-        if isinstance(reply, ErrorReply):
-            raise ControlError(f"encoder {self.shard} could not answer CANCEL: {reply.message}")
-        return reply  # type: ignore[return-value]
+        return await self._checked(Kind.CANCEL, CancelRequest(fid=fid), timeout)  # type: ignore[return-value]
 
     def release_polls(self, reply: PollReply) -> int:
         """Answer every POLL still waiting on this connection with ``reply`` (used when draining).

@@ -184,7 +184,9 @@ def test_refusals_map_to_the_http_statuses_of_before():
                               RefusalReason.PENDING_LIMIT: 429, RefusalReason.PENDING_BYTES: 429,
                               RefusalReason.KEY_QUOTA: 429,
                               # a resubmitted (sid, seq) with a different request
-                              RefusalReason.CONFLICT: 409}
+                              RefusalReason.CONFLICT: 409,
+                              # an encoder shutting down (the SDK retries; the next run takes it)
+                              RefusalReason.STOPPING: 503}
 
 
 # -- malformed frames ------------------------------------------------------------------------------
