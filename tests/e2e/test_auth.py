@@ -177,7 +177,7 @@ def test_each_configured_key_works(keyed):
     for key in (KEY_A, KEY_B):
         api = KeyApi(keyed.url, key)
         st, _, b = api.post("/api/v1/client/config", {"sdk_version": "0.38.0"})
-        assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False})
+        assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": True})
         rid = _sample(api, api.sampling_session())
         st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": rid})
         assert st == 200
