@@ -8,7 +8,11 @@ machine and the load would measure the client instead of the gateway.
 
 Rules followed (spec §4.5 ``asample``, §4.6 ``retrieve_future``):
 
-* ``asample``: header ``X-Tinker-Sampling-Backpressure: 1``; 429 -> sleep 1 s and re-send the
+* ``asample``: at most ``sdk_dispatch_limit`` (400) in flight per driver process, each holding
+  its place through its retries (SDK 0.38 ``InternalClientHolder._sample_dispatch_semaphore``,
+  taken in ``SamplingClient._sample_async_impl``); the other samples wait for a place, not for a
+  connection, so that wait is not charged to the 60 s client timeout;
+  header ``X-Tinker-Sampling-Backpressure: 1``; 429 -> sleep 1 s and re-send the
   **same** ``seq_id`` (no time limit); 408/409/5xx/connection error/timeout -> re-send the same
   ``seq_id`` after ``min(2**n, 30)`` s, for up to 300 s, then the whole sample restarts with a
   new ``seq_id``; any other status is fatal for that sample.
@@ -297,6 +301,7 @@ class Driver:
         self.base = row * N_SLOTS
         self.deadline = deadline_mono
         self.poll_timeout = float(spec["poll_timeout_s"])
+        self.dispatch: asyncio.Semaphore | None = None  # the SDK's asample dispatch limit (made in run())
         self.headers = sdk_headers("tml-load")
         self.counters: dict[str, int] = {}
         self.res = DriverResult(index=row)
@@ -530,7 +535,11 @@ class Driver:
                 self.seq += 1
                 seq = self.seq
                 try:
-                    rid, rtt = await self._asample(session, i, seq)
+                    if self.dispatch is None:
+                        rid, rtt = await self._asample(session, i, seq)
+                    else:
+                        async with self.dispatch:
+                            rid, rtt = await self._asample(session, i, seq)
                     allow_meta = True
                     if self.poller is not None:
                         c = await self.poller.wait_for(rid)
@@ -616,6 +625,8 @@ class Driver:
             t_go = time.monotonic()
             c0 = time.process_time()
             sem = asyncio.Semaphore(self.concurrency)
+            limit = int(self.spec.get("sdk_dispatch_limit") or 0)
+            self.dispatch = asyncio.Semaphore(limit) if limit > 0 else None
             tasks: set[asyncio.Task[None]] = set()
 
             async def gated(i: int) -> None:

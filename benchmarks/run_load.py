@@ -88,6 +88,8 @@ DEFAULTS: dict[str, Any] = {
     "poll_timeout_s": 45.0,        # client timeout per retrieve_future (s), as the SDK with plain httpx
     "max_polls": 100000,           # bound on retrieve_future calls per future
     "max_resubmits": 10,           # bound on 410-triggered resubmits per sample
+    "sdk_dispatch_limit": 400,     # asample calls in flight per driver process, retries included, as SDK 0.38's
+                                   # InternalClientHolder._sample_dispatch_semaphore (0: no limit)
     "time_limit_s": 900.0,         # a run stops counting after this (s); unfinished samples fail
     "mem_interval_s": 1.0,         # memory / arena sampling period (s)
     "warmup": 16,                  # samples each driver process runs (and discards) before the measured run
