@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RunningServer", "http_json", "our_shm_segments", "our_processes", "leftovers_of_started_servers",
-           "RunningHaproxy", "find_haproxy", "free_port", "http_counts"]
+           "RunningHaproxy", "find_haproxy", "free_port", "http_counts", "metric_sum"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -218,6 +218,23 @@ def find_haproxy() -> tuple[str | None, str]:
     if m is None or (int(m.group(1)), int(m.group(2))) < (2, 6):
         return None, f"{path} is not HAProxy >= 2.6: {out.splitlines()[:1]}"
     return path, ""
+
+
+def metric_sum(source: str, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` (e.g. ``shardserver_http_requests_total``) whose
+    labels include ``labels``; 0.0 when none does.
+
+    ``source``: a Prometheus text exposition, or a gateway's base URL (``http://...``: its
+    ``GET /metrics`` is read and must answer 200). Parsed with ``prometheus_client.parser``.
+    """
+    if source.startswith(("http://", "https://")):
+        status, _, body = http_json(source.rstrip("/") + "/metrics")
+        assert status == 200, body[:200]
+        source = body.decode()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(smp.value for fam in text_string_to_metric_families(source) for smp in fam.samples
+               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
 
 
 def http_counts(url: str) -> dict[tuple[str, str], float]:

@@ -19,7 +19,7 @@ from shardserver.api.auth import (
 )
 from shardserver.config import AuthConfig, config_from_mapping
 from shardserver.errors import ConfigError
-from shardserver.testing import REPO, RunningServer, http_json
+from shardserver.testing import REPO, RunningServer, http_json, metric_sum
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -221,19 +221,10 @@ def test_ids_are_bound_to_the_key_that_created_them(keyed):
 
 
 def test_401s_are_counted(keyed):
-    before = _metric(keyed.url, 'shardserver_auth_rejected_total{reason="invalid"}')
+    before = metric_sum(keyed.url, "shardserver_auth_rejected_total", reason="invalid")
     st, _, _ = KeyApi(keyed.url, KEY_C).post("/api/v1/create_session", {"tags": []})
     assert st == 401
-    assert _metric(keyed.url, 'shardserver_auth_rejected_total{reason="invalid"}') == before + 1
-
-
-def _metric(url: str, name: str) -> float:
-    st, _, body = http_json(url + "/metrics")
-    assert st == 200
-    for line in body.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
+    assert metric_sum(keyed.url, "shardserver_auth_rejected_total", reason="invalid") == before + 1
 
 
 @pytest.mark.sdk

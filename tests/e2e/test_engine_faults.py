@@ -17,12 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import BASE_MODEL, Api, engine_body, expected_sequences
 from fake_engine import FakeEngine, SimEngineProcess, free_port
 from shardserver.config import EngineConfig
-from shardserver.testing import RunningServer, http_json
+from shardserver.testing import RunningServer, http_json, metric_sum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -83,10 +82,7 @@ def counters(s: RunningServer) -> dict[str, int]:
 
 def metric(s: RunningServer, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` in /metrics whose labels include ``labels``."""
-    st, _, body = http_json(s.url + "/metrics")
-    assert st == 200
-    return sum(smp.value for fam in text_string_to_metric_families(body.decode()) for smp in fam.samples
-               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
+    return metric_sum(s.url, name, **labels)
 
 
 def completions(engine: FakeEngine) -> list[dict]:

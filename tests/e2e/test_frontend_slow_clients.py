@@ -11,14 +11,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 
 import pytest
 
 from frontend_raw_http import RawConnection
-from shardserver.testing import RunningServer, http_json
+from shardserver.testing import RunningServer, metric_sum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -27,18 +26,6 @@ BODY_TIMEOUT_S = 1.0
 SLACK_S = 1.5
 SLOW = 50
 CAP = 16
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` in ``GET /metrics`` whose labels include ``labels``."""
-    st, _, body = http_json(url + "/metrics")
-    assert st == 200
-    total = 0.0
-    for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", body.decode(), re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if m.group(1) == name and all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +84,7 @@ async def _normal_client(port: int, until: asyncio.Event) -> list[tuple[int, flo
 
 
 def test_slow_headers_are_cut_at_the_header_timeout_while_others_are_served(gateway):
-    before = _metric(gateway.url, "shardserver_connection_timeouts_total", phase="headers")
+    before = metric_sum(gateway.url, "shardserver_connection_timeouts_total", phase="headers")
 
     async def run():
         done = asyncio.Event()
@@ -119,7 +106,7 @@ def test_slow_headers_are_cut_at_the_header_timeout_while_others_are_served(gate
         assert b"connection: close" in got and got.endswith(b"not received within server.header_timeout_s\n")
     assert len(normal) >= 10 and all(st == 200 for st, _ in normal), normal
     assert max(dt for _, dt in normal) < HEADER_TIMEOUT_S, normal  # never queued behind the slow ones
-    assert _metric(gateway.url, "shardserver_connection_timeouts_total", phase="headers") - before == SLOW
+    assert metric_sum(gateway.url, "shardserver_connection_timeouts_total", phase="headers") - before == SLOW
     lines = [ln for ln in gateway.log_lines if "server.header_timeout_s" in ln]
     assert len(lines) == 1 and "WARNING" in lines[0], lines  # rate-limited: one line for the burst
 
@@ -139,8 +126,8 @@ def test_stalled_body_is_answered_408_at_the_body_timeout(gateway):
     assert BODY_TIMEOUT_S - 0.1 <= dt <= BODY_TIMEOUT_S + SLACK_S
     assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n") and got.endswith(b"server.body_timeout_s\n"), got
     time.sleep(0.3)
-    assert _metric(gateway.url, "shardserver_connection_timeouts_total", phase="body") == 1
-    assert _metric(gateway.url, "shardserver_http_requests_total", endpoint="telemetry", code="408") == 1
+    assert metric_sum(gateway.url, "shardserver_connection_timeouts_total", phase="body") == 1
+    assert metric_sum(gateway.url, "shardserver_http_requests_total", endpoint="telemetry", code="408") == 1
 
 
 def test_at_the_connection_cap_new_clients_wait_for_a_free_slot(gateway):
@@ -163,13 +150,13 @@ def test_at_the_connection_cap_new_clients_wait_for_a_free_slot(gateway):
     # Not accepted until the header timeout closed the silent connections.
     assert HEADER_TIMEOUT_S - 0.1 <= waited <= HEADER_TIMEOUT_S + SLACK_S, waited
     time.sleep(0.3)
-    assert _metric(gateway.url, "shardserver_connection_cap_reached_total") >= 1
+    assert metric_sum(gateway.url, "shardserver_connection_cap_reached_total") >= 1
     lines = [ln for ln in gateway.log_lines if "server.max_connections" in ln]
     assert len(lines) == 1 and re.search(rf"front-end 0: {CAP} open connections = server.max_connections", lines[0])
 
 
 def test_at_the_cap_an_idle_keep_alive_connection_makes_room(gateway):
-    before = _metric(gateway.url, "shardserver_connections_evicted_total")
+    before = metric_sum(gateway.url, "shardserver_connections_evicted_total")
 
     async def run():
         idle = []
@@ -195,4 +182,4 @@ def test_at_the_cap_an_idle_keep_alive_connection_makes_room(gateway):
     assert status == 200 and waited < 0.5, waited
     assert closed == [True] + [False] * (CAP - 1)  # the longest-idle one, only
     time.sleep(0.3)
-    assert _metric(gateway.url, "shardserver_connections_evicted_total") - before == 1
+    assert metric_sum(gateway.url, "shardserver_connections_evicted_total") - before == 1

@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
-import socket
 import time
 from typing import Any, Callable
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_MODEL, engine_body, expected_sequences
-from shardserver.testing import REPO, RunningServer, http_json
+from shardserver.testing import REPO, RunningServer, free_port, http_json, metric_sum
 
 __all__ = ["FAULTS", "gateway_chaos"]
 
@@ -29,12 +28,6 @@ __all__ = ["FAULTS", "gateway_chaos"]
 FAULTS = ("kill_gateway", "kill_encoder", "term_gateway", "kill_front_end")
 
 API_KEY = "tml-gateway-chaos-key-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(supervisor: int, role: str) -> int | None:
@@ -53,15 +46,6 @@ def _child(supervisor: int, role: str) -> int | None:
         if int(fields[1]) == supervisor and fields[0] != "Z" and title == f"shardserver: {role}":
             return int(d)
     return None
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``, in a /metrics text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _wrong(resp: Any, i: int) -> bool:
@@ -100,7 +84,7 @@ def gateway_chaos(*, rounds: int, in_flight: int, per_round: int, env: dict[str,
     from tinker import types
 
     t0 = time.monotonic()
-    port = _free_port()
+    port = free_port()
     cfg_path = REPO / "configs" / f"{config}.toml"
     servers = [RunningServer(config=cfg_path, env=env, args=["--port", str(port)]).__enter__()]
     tally = {"restored_lost": 0.0, "rejected_stopping": 0.0, "resubmitted_410": 0.0}
@@ -110,9 +94,9 @@ def gateway_chaos(*, rounds: int, in_flight: int, per_round: int, env: dict[str,
             m = http_json(f"http://127.0.0.1:{port}/metrics", timeout=5)[2].decode()
         except OSError:
             return
-        tally["restored_lost"] += _metric(m, "shardserver_encoder_events_total", event="restored_lost")
-        tally["rejected_stopping"] += _metric(m, "shardserver_encoder_events_total", event="rejected_stopping")
-        tally["resubmitted_410"] += _metric(m, "shardserver_http_requests_total", code="410",
+        tally["restored_lost"] += metric_sum(m, "shardserver_encoder_events_total", event="restored_lost")
+        tally["rejected_stopping"] += metric_sum(m, "shardserver_encoder_events_total", event="rejected_stopping")
+        tally["resubmitted_410"] += metric_sum(m, "shardserver_http_requests_total", code="410",
                                             endpoint="retrieve_future")
 
     done: dict[int, Any] = {}

@@ -9,29 +9,17 @@ The memory a pending future holds besides its request body is measured by
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
 from conftest import Api
-from shardserver.testing import RunningServer, http_json
+from shardserver.testing import RunningServer, metric_sum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 MAX_PENDING = 20
 MAX_BYTES = 1 << 20
 BIG_PROMPT = list(range(1000, 21_000))  # 20,000 tokens: an engine body of about 130 KB
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    st, _, body = http_json(url + "/metrics")
-    assert st == 200
-    total = 0.0
-    for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", body.decode(), re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if m.group(1) == name and all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
 
 
 def _asample(api: Api, ssid: str, seq: int, tokens: list[int]) -> tuple[int, dict, dict]:
@@ -70,9 +58,9 @@ def test_pending_futures_and_request_bytes_are_bounded_per_shard():
         assert shard["futures"] == {"pending": MAX_PENDING}
         assert shard["engine_calls"] + shard["engine_queued"] == MAX_PENDING
         refused_bytes = len(big) - len(accepted)
-        assert _metric(s.url, "shardserver_asample_refused_total", reason="pending_bytes") == refused_bytes
-        assert _metric(s.url, "shardserver_asample_refused_total", reason="pending_limit") == 5
-        assert _metric(s.url, "shardserver_pending_request_bytes", shard="0") == shard["pending_request_bytes"]
+        assert metric_sum(s.url, "shardserver_asample_refused_total", reason="pending_bytes") == refused_bytes
+        assert metric_sum(s.url, "shardserver_asample_refused_total", reason="pending_limit") == 5
+        assert metric_sum(s.url, "shardserver_pending_request_bytes", shard="0") == shard["pending_request_bytes"]
         # A resubmission of a pending (sid, seq) is still answered with its future, not refused.
         st, _, b = _asample(api, ssid, 0, BIG_PROMPT)
         assert st == 200 and b["request_id"] == big[0][2]["request_id"]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_MODEL, Api, engine_body, expected_sequences
-from shardserver.testing import REPO, RunningServer, http_json
+from shardserver.testing import REPO, RunningServer, http_json, metric_sum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -57,15 +57,6 @@ def _children(pgid: int) -> list[int]:
             if int(fields[2]) == pgid and fields[0] != "Z":
                 out.append(int(d))
     return out
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``, in a /metrics text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _check(resp, prompt: list[int], seed: int) -> None:
@@ -152,16 +143,16 @@ def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig, poller):
         assert 'shardserver_http_requests_total{code="200",endpoint="asample"}' in m
         assert 'code="404"' not in m
         # Futures the old run held that the new run's encoders took over from their journals.
-        lost = _metric(m, "shardserver_encoder_events_total", event="restored_lost")
+        lost = metric_sum(m, "shardserver_encoder_events_total", event="restored_lost")
         if poller:
             # The samples waited on the poller, which got the old run's futures as failed; the
             # SDK asked for them (410) and resubmitted them.
             assert sampler._futures_poller is not None
-            assert _metric(m, "shardserver_http_requests_total", code="200", endpoint="retrieve_futures") > 0
+            assert metric_sum(m, "shardserver_http_requests_total", code="200", endpoint="retrieve_futures") > 0
             assert lost > 0
-            assert _metric(m, "shardserver_http_requests_total", code="410", endpoint="retrieve_future") > 0
+            assert metric_sum(m, "shardserver_http_requests_total", code="410", endpoint="retrieve_future") > 0
         else:
-            assert _metric(m, "shardserver_http_requests_total", endpoint="retrieve_futures") == 0
+            assert metric_sum(m, "shardserver_http_requests_total", endpoint="retrieve_futures") == 0
             st, _, b = http_json(f"http://127.0.0.1:{port}/api/v1/retrieve_futures", method="POST",
                                  body={"target": {"sampling_session_id": "x"}, "prev_cursor": 0},
                                  headers={"X-API-Key": API_KEY})
