@@ -15,8 +15,12 @@ body, connect timeout                            unavailable for less than
                                                  ``engine.unavailable_budget_s``
                                                  (``engine_reforwards``)
 HTTP 408, 429, 503 (router queue, admission      same: re-forwarded within the budget         --
-control: the request never ran); any 5xx when
-``engine.retry_5xx``
+control: the request never ran); HTTP 502 (a
+proxy got no answer from the engine: vLLM never
+sends 502); vllm-router's 500 ``Request failed:
+...`` / ``Failed to get response body: ...``
+(it could not reach the worker, or the worker's
+body broke); any 5xx when ``engine.retry_5xx``
 still unavailable after the budget               fails (``engine_budget_exhausted``)          server
 HTTP 4xx (other)                                 fails                                        user
 HTTP 400 "Out of range float values" (NaN),      fails (the engine ran it, or the path is     server
@@ -65,7 +69,7 @@ from .config import EngineConfig, engine_base_url, mask_url, mask_urls_in
 from .errors import EngineError
 from .messages import EngineOutage
 
-__all__ = ["EngineClient", "AttemptIds", "engine_error_message", "NEVER_RAN_STATUSES"]
+__all__ = ["EngineClient", "AttemptIds", "engine_error_message", "engine_did_not_answer", "NEVER_RAN_STATUSES"]
 
 log = logging.getLogger("shardserver.engine")
 
@@ -73,6 +77,22 @@ _NAN_MARK = "Out of range float values are not JSON compliant"
 # Statuses that mean the engine did not run the request: a router's full queue (429), its queue
 # timeout (408), vLLM admission control or a router without workers (503) (spec §8.2, §11.12).
 NEVER_RAN_STATUSES = (408, 429, 503)
+# What a proxy or router between the gateway and vLLM answers when the engine did not: 502 from
+# nginx/an ingress/HAProxy (vLLM itself never answers 502), and vllm-router's 500 wrapping a
+# failure to reach its worker or to read the worker's body (spec §8.2) -- the transport failures
+# the gateway re-forwards when it meets them itself. vLLM's own 500 (its JSON error envelope,
+# e.g. a GenerationError) stays final.
+_PROXY_STATUSES = (502,)
+_ROUTER_TRANSPORT_500 = (b"Request failed: ", b"Failed to get response body")
+
+
+def engine_did_not_answer(status: int, body: bytes) -> bool:
+    """Whether an HTTP error status means the engine itself never answered the request (so it
+    is re-forwarded within ``engine.unavailable_budget_s``): :data:`NEVER_RAN_STATUSES`, a 502, or
+    vllm-router's plain-text 500 for a worker it could not reach or read (``body`` starts with
+    ``Request failed: `` or ``Failed to get response body``)."""
+    return (status in NEVER_RAN_STATUSES or status in _PROXY_STATUSES
+            or (status == 500 and body.startswith(_ROUTER_TRANSPORT_500)))
 # Re-forward backoff (seconds): first wait, factor 2 per re-forward, cap; each wait is jittered to
 # 50-100 % so that the requests of one outage do not come back in lockstep.
 _BACKOFF_FIRST_S = 0.1
@@ -261,7 +281,7 @@ class EngineClient:
                     self._answered()
                     return data
                 reason = engine_error_message(status, data)
-                if not (status in NEVER_RAN_STATUSES or (status >= 500 and cfg.retry_5xx)):
+                if not (engine_did_not_answer(status, data) or (status >= 500 and cfg.retry_5xx)):
                     self._answered()  # the engine is up: this answer is final
                     # vLLM reports its own NaN-serialization failure as a 400 although the request
                     # was fine (spec §4, §8.1); a 404 in FastAPI's own shape ({"detail": "Not Found"})

@@ -15,9 +15,11 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
   without a response byte; ``drop_how`` = ``"close"`` (FIN) or ``"reset"`` (RST).
 * ``truncate``: the next N completions get the headers (full Content-Length) and half the body,
   then a FIN.
-* ``status`` (+ ``status_body`` = ``vllm`` | ``router`` | ``empty``): answer completions with this
-  HTTP status, for ``status_for_s`` seconds from the first request it answers so (0: until
-  changed).
+* ``status`` (+ ``status_body`` = ``vllm`` | ``router`` | ``empty`` | ``proxy`` | ``router_send`` |
+  ``router_read``): answer completions with this HTTP status, for ``status_for_s`` seconds from
+  the first request it answers so (0: until changed). ``proxy`` is nginx's HTML error page;
+  ``router_send`` and ``router_read`` are vllm-router's plain-text bodies for a worker it could not
+  reach (``Request failed: ...``) or whose body broke (``Failed to get response body: ...``).
 * ``abort``: the next N completions end with ``finish_reason: "abort"`` (a partial sample).
 * ``model``, ``max_model_len``: what ``GET /v1/models`` reports and what the bodies are
   rendered with (prompt + max_tokens over the window: vLLM's 400).
@@ -183,7 +185,7 @@ class _Server:
     @staticmethod
     async def send(writer: asyncio.StreamWriter, status: int, body: bytes, ctype: str = "application/json") -> None:
         phrase = {200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 429: "Too Many Requests",
-                  500: "Internal Server Error", 503: "Service Unavailable"}.get(status, "Status")
+                  500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}.get(status, "Status")
         head = f"HTTP/1.1 {status} {phrase}\r\ncontent-length: {len(body)}\r\n"
         if body:
             head += f"content-type: {ctype}\r\n"
@@ -230,6 +232,14 @@ class _Server:
             elif kind == "router":
                 await self.send(writer, status, b"No available workers (all circuits open or unhealthy)",
                                 "text/plain; charset=utf-8")
+            elif kind == "proxy":
+                await self.send(writer, status, f"<html>\r\n<head><title>{status} Bad Gateway</title></head>\r\n"
+                                f"<body>\r\n<center><h1>{status} Bad Gateway</h1></center>\r\n"
+                                "<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n".encode(), "text/html")
+            elif kind in ("router_send", "router_read"):
+                what = ("Request failed: error sending request for url (http://10.0.0.7:8000/v1/completions)"
+                        if kind == "router_send" else "Failed to get response body: error decoding response body")
+                await self.send(writer, status, what.encode(), "text/plain; charset=utf-8")
             else:
                 msg = "The engine is currently busy and cannot accept new requests."
                 await self.send(writer, status, json.dumps(

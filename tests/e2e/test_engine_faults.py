@@ -226,6 +226,39 @@ def test_never_ran_statuses_are_reforwarded_while_they_last():
         assert c["engine_reforwards"] == seen - len(cases) and "failed_server" not in c
 
 
+def test_proxy_and_router_errors_for_an_unreachable_engine_are_reforwarded_while_they_last():
+    """What sits between the gateway and a restarting vLLM answers for it: nginx (or an ingress)
+    502 with its HTML page, vllm-router 500 ``Request failed: ...`` (could not reach the worker)
+    or ``Failed to get response body: ...`` (the worker's body broke). vLLM itself never answers
+    502, and these router bodies wrap exactly the transport failures the gateway re-forwards when
+    it meets them directly: for 1.8 s, then answers, and each sample completes. vLLM's own 500
+    (its JSON envelope) still fails at once. Before: each failed at its first attempt with
+    ``engine returned HTTP 502: <html>...`` / ``HTTP 500: Request failed: ...`` (category server)."""
+    cases = [(502, "proxy"), (500, "router_send"), (500, "router_read"), (502, "empty")]
+    with FakeEngine() as eng, gateway(eng.url) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        seen = 0
+        for i, (status, body) in enumerate(cases):
+            eng.configure(status=status, status_body=body, status_for_s=1.8)
+            t0 = time.monotonic()
+            rid, prompt = submit(api, ssid, 111, i)
+            assert_result(*retrieve(api, rid), prompt, i)
+            assert time.monotonic() - t0 >= 1.8
+            acts = [e["action"] for e in completions(eng)][seen:]
+            seen += len(acts)
+            assert acts[-1] == "ok" and set(acts[:-1]) == {"status"} and len(acts) >= 4, (status, body, acts)
+        c = counters(s)
+        assert c["engine_reforwards"] == seen - len(cases) and "failed_server" not in c
+        eng.configure(status=500, status_body="vllm", status_for_s=0)
+        rid, _ = submit(api, ssid, 111, 9)
+        st, _, b = retrieve(api, rid)
+        assert st == 200 and json.loads(b) == {
+            "error": "engine returned HTTP 500: The engine is currently busy and cannot accept new requests.",
+            "category": "server"}
+        assert [e["request_id"] for e in completions(eng)][seen:] == [f"{rid}-a1"]
+
+
 # -- input 3: waiting for a pooled connection is not engine time --------------------------------------
 def test_waiting_for_a_pooled_connection_is_not_engine_time():
     """pool_size 2, timeout_s 3, each engine call takes 1.2 s, 6 samples at once. Before: samples
