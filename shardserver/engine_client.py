@@ -167,6 +167,30 @@ async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
     ctx.trace_request_ctx.reused = True
 
 
+async def _read_body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole (decoded) body of ``resp``, read as it arrives and given up as soon as it passes
+    ``limit`` bytes, so a chunked body (no Content-Length) or a compressed one (whose
+    Content-Length is the compressed size) never makes the encoder hold more than ``limit``
+    bytes plus one read (aiohttp's ``read()`` collects everything first).
+
+    Raises:
+        EngineError: (category server) the body passed ``limit`` bytes (``engine.max_body_bytes``).
+    """
+    content = resp.content
+    blocks: list[bytes] = []
+    total = 0
+    while True:
+        block = await content.readany()
+        if not block:
+            break
+        total += len(block)
+        if total > limit:
+            raise EngineError(f"engine body exceeds engine.max_body_bytes={limit} (stopped reading after "
+                              f"{total} bytes)", status=resp.status, category="server")
+        blocks.append(block)
+    return blocks[0] if len(blocks) == 1 else b"".join(blocks)
+
+
 class EngineClient:
     """Posts completion request bodies; one instance (one connection pool) per encoder.
 
@@ -328,11 +352,7 @@ class EngineClient:
                         if resp.content_length is not None and resp.content_length > limit:
                             raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
                                               f"engine.max_body_bytes={limit}", status=resp.status, category="server")
-                        data = await resp.read()
-                        if len(data) > limit:
-                            raise EngineError(f"engine body of {len(data)} bytes exceeds engine.max_body_bytes={limit}",
-                                              status=resp.status, category="server")
-                        return resp.status, data
+                        return resp.status, await _read_body(resp, limit)
                 except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
                     raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
                                   no_response=True, reused=False) from None

@@ -20,6 +20,10 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
   the first request it answers so (0: until changed). ``proxy`` is nginx's HTML error page;
   ``router_send`` and ``router_read`` are vllm-router's plain-text bodies for a worker it could not
   reach (``Request failed: ...``) or whose body broke (``Failed to get response body: ...``).
+* ``pad_bytes``: the next completion's body is followed by this many spaces (still valid JSON),
+  sent ``how`` = ``"chunked"`` (``Transfer-Encoding: chunked``, 1 MiB chunks, no Content-Length) or
+  ``"gzip"`` (``Content-Encoding: gzip``, Content-Length of the compressed bytes) in
+  ``pad_how``.
 * ``abort``: the next N completions end with ``finish_reason: "abort"`` (a partial sample).
 * ``model``, ``max_model_len``: what ``GET /v1/models`` reports and what the bodies are
   rendered with (prompt + max_tokens over the window: vLLM's 400).
@@ -59,7 +63,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULTS: dict[str, Any] = {
     "delay_s": 0.0, "reset_reused": False, "idle_close_s": 0.0, "drop_before_response": 0, "drop_how": "close",
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
-    "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "script": None,
+    "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "script": None, "pad_bytes": 0, "pad_how": "chunked",
 }
 EOS = 151643
 # Qwen's special tokens: their text appears in the output only with skip_special_tokens false.
@@ -274,7 +278,36 @@ class _Server:
             await writer.drain()
             writer.close()
             return False
+        if cfg["pad_bytes"] > 0:
+            pad, cfg["pad_bytes"] = cfg["pad_bytes"], 0
+            entry["action"] = "pad"
+            return await self.send_padded(writer, body, pad, cfg["pad_how"])
         await self.send(writer, 200, body)
+        return True
+
+    @staticmethod
+    async def send_padded(writer: asyncio.StreamWriter, body: bytes, pad: int, how: str) -> bool:
+        """``body`` + ``pad`` spaces, chunked (1 MiB chunks, streamed) or gzip-compressed."""
+        if how == "gzip":
+            import zlib
+
+            z = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip container
+            step = b" " * (1 << 20)
+            parts = [z.compress(body)]
+            for i in range(0, pad, len(step)):
+                parts.append(z.compress(step[: min(len(step), pad - i)]))
+            data = b"".join(parts) + z.flush()
+            writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+                         f"content-length: {len(data)}\r\n\r\n".encode() + data)
+            await writer.drain()
+            return True
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+        chunk = b" " * (1 << 20)
+        for piece in [body] + [chunk[: min(len(chunk), pad - i)] for i in range(0, pad, len(chunk))]:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()  # the reader may give up (close) at any point
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
         return True
 
     async def other(self, method: str, path: str, raw: bytes, writer: asyncio.StreamWriter) -> bool:

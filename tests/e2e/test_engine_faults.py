@@ -259,6 +259,43 @@ def test_proxy_and_router_errors_for_an_unreachable_engine_are_reforwarded_while
         assert [e["request_id"] for e in completions(eng)][seen:] == [f"{rid}-a1"]
 
 
+def _peak_rss_kib(pid: int) -> int:
+    """VmHWM (peak resident set, KiB) of a live process."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+
+
+def test_engine_body_over_max_body_bytes_is_refused_while_it_arrives():
+    """engine.max_body_bytes bounds what the encoder holds, not only a Content-Length: a 200 body of
+    48 MiB sent chunked (no Content-Length), then gzip-compressed (a ~50 KiB Content-Length that
+    inflates to 48 MiB), with a 1 MiB bound. Each sample fails (category server) naming the bound,
+    the encoder's peak RSS grows by less than 16 MiB, and the next sample is answered normally on
+    a clean connection. Before: the whole body was read (and inflated) first, so the encoder's
+    peak RSS grew by about the body's size each time (a larger body: the encoder runs out of memory)."""
+    with FakeEngine() as eng, gateway(eng.url, max_body_bytes=1 << 20) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        pid = s.stats()["shards"][0]["pid"]
+        rid, prompt = submit(api, ssid, 112, 0)
+        assert_result(*retrieve(api, rid), prompt, 0)
+        base = _peak_rss_kib(pid)
+        for i, how in enumerate(["chunked", "gzip"], 1):
+            eng.configure(pad_bytes=48 << 20, pad_how=how)
+            rid, _ = submit(api, ssid, 112, i)
+            st, _, b = retrieve(api, rid)
+            err = json.loads(b)
+            assert st == 200 and err["category"] == "server", b
+            assert re.fullmatch(r"engine body exceeds engine\.max_body_bytes=1048576 \(stopped reading after "
+                                r"\d+ bytes\)", err["error"]), err
+            grew_mib = (_peak_rss_kib(pid) - base) / 1024
+            assert grew_mib < 16, (how, grew_mib)
+            rid, prompt = submit(api, ssid, 112, 10 + i)
+            assert_result(*retrieve(api, rid), prompt, 10 + i)
+        assert [e["action"] for e in completions(eng)] == ["ok", "pad", "ok", "pad", "ok"]
+        c = counters(s)
+        assert c["failed_server"] == 2 and c["completed"] == 3 and "engine_reforwards" not in c
+
+
 # -- input 3: waiting for a pooled connection is not engine time --------------------------------------
 def test_waiting_for_a_pooled_connection_is_not_engine_time():
     """pool_size 2, timeout_s 3, each engine call takes 1.2 s, 6 samples at once. Before: samples
