@@ -63,6 +63,9 @@ class ServerConfig:
     # request's first byte arrived; its body this long after the headers (else 408 and close).
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    # A request's headers (request line included) may take at most this many bytes; beyond it the
+    # front-end answers 431 and closes (httptools itself has no bound).
+    max_header_bytes: int = 64 * 1024
     # Open client connections per front-end at which it stops accepting (lowered to the soft
     # RLIMIT_NOFILE minus a reserve); idle keep-alive connections are closed first to make room.
     max_connections: int = 4096
@@ -100,6 +103,7 @@ class ServerConfig:
         _check(self.max_request_bytes, "server.max_request_bytes", self.max_request_bytes >= 1024, "must be >= 1024")
         _check(self.graceful_shutdown_s, "server.graceful_shutdown_s", self.graceful_shutdown_s >= 0, "must be >= 0")
         _check(self.header_timeout_s, "server.header_timeout_s", self.header_timeout_s > 0, "must be > 0")
+        _check(self.max_header_bytes, "server.max_header_bytes", self.max_header_bytes >= 1024, "must be >= 1024")
         _check(self.body_timeout_s, "server.body_timeout_s", self.body_timeout_s > 0, "must be > 0")
         _check(self.max_connections, "server.max_connections", self.max_connections >= 16, "must be >= 16")
         _check(self.log_level, "server.log_level", self.log_level in ("debug", "info", "warning", "error"),

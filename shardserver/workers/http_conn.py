@@ -20,7 +20,9 @@ else (HTTP parsing, the ASGI cycle, graceful waiting):
   ``server.header_timeout_s`` (from the connection's start or the first byte of a request
   until its headers are complete) and ``server.body_timeout_s`` (from the end of the headers
   until the whole body arrived): a request that started is answered ``408`` with
-  ``Connection: close``, a connection that sent nothing is closed. During a drain every
+  ``Connection: close``, a connection that sent nothing is closed. It also bounds a request's
+  headers to ``server.max_header_bytes`` (httptools has no bound of its own and concatenates a
+  header value piece by piece): beyond it, ``431`` and close. During a drain every
   response carries ``Connection: close`` and idle connections are closed after
   :data:`DRAIN_IDLE_S` without a new request.
 
@@ -110,11 +112,13 @@ class ConnectionLimits:
             was made or the request's first byte arrived.
         body_timeout_s: a request's body must be complete this long after its headers.
         front_end: this front-end's index (for log lines).
+        max_header_bytes: bytes a request's line and headers may take (``server.max_header_bytes``).
     """
 
     header_timeout_s: float
     body_timeout_s: float
     front_end: int = 0
+    max_header_bytes: int = 64 * 1024
 
 
 def effective_max_connections(configured: int) -> tuple[int, int]:
@@ -150,6 +154,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.idle_since = 0.0       # monotonic time the connection became idle (0: busy)
         self._lost: Exception | None | bool = False  # False while connected; else connection_lost's exc
         self._write_event: asyncio.Event | None = None  # set on resume_writing and connection_lost
+        self._in_head = True        # the next bytes belong to a request line or headers
+        self._head_bytes = 0        # bytes of them received so far
+        self._tail = b""            # the last 3 bytes of the head so far (a blank line may straddle reads)
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, phase: str, seconds: float) -> None:
@@ -237,7 +244,35 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self._listener.not_idle(self)
         if self._phase == "drain":
             self._disarm()
+        if self._in_head:
+            # Count a request's head before the parser sees it: up to the blank line that ends it
+            # (which may straddle two reads), else the whole read. A request pipelined behind
+            # another in the same read is counted from its next read on (at most one read more).
+            buf = self._tail + data
+            end = buf.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._tail))
+            if self._head_bytes > self._limits.max_header_bytes:
+                if not self.transport.is_closing():
+                    self._reject_headers()
+                return
+            self._tail = buf[-3:] if end < 0 else b""
         super().data_received(data)
+
+    def _reject_headers(self) -> None:
+        """431 with ``Connection: close``, then close: the headers passed ``server.max_header_bytes``."""
+        self._disarm(cancel=True)
+        if self._listener is not None:
+            self._listener.timeout_log.hit(
+                "front-end %d: closed a connection whose request headers exceeded server.max_header_bytes=%d",
+                self._limits.front_end, self._limits.max_header_bytes)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        body = b"request headers exceed server.max_header_bytes=%d bytes\n" % self._limits.max_header_bytes
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; "
+                             b"charset=utf-8\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     # -- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -248,6 +283,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._arm("headers", self._limits.header_timeout_s)
 
     def on_headers_complete(self) -> None:
+        self._in_head, self._head_bytes, self._tail = False, 0, b""
         self._disarm()
         super().on_headers_complete()
         if self.cycle is not None:
@@ -260,6 +296,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._arm("body", self._limits.body_timeout_s)
 
     def on_message_complete(self) -> None:
+        self._in_head, self._head_bytes, self._tail = True, 0, b""
         if self._phase == "body":
             self._disarm()
         self._started = False

@@ -11,13 +11,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
 import pytest
 
 from frontend_raw_http import RawConnection
-from shardserver.testing import RunningServer, metric_sum
+from shardserver.testing import RunningServer, http_json, metric_sum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -183,3 +184,58 @@ def test_at_the_cap_an_idle_keep_alive_connection_makes_room(gateway):
     assert closed == [True] + [False] * (CAP - 1)  # the longest-idle one, only
     time.sleep(0.3)
     assert metric_sum(gateway.url, "shardserver_connections_evicted_total") - before == 1
+
+
+def _peak_rss_kib(pid: int) -> int:
+    """VmHWM (peak resident set, KiB) of a live process."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+
+
+def test_request_headers_over_max_header_bytes_are_answered_431_and_closed(gateway):
+    """``server.max_header_bytes`` (default 64 KiB) bounds a request's headers: 60 KiB of headers
+    are served; one 80 KiB header is answered 431 naming the key, and the connection closed; a
+    client streaming a 64 MiB header line is cut off after a few MiB at most, and the front-end's
+    peak RSS grows by less than 16 MiB. Before: httptools has no bound (uvicorn's h11 has 16 KiB):
+    the 80 KiB header got 200, and one connection sending 90 MiB of header at loopback speed grew
+    the front-end by about 170 MiB before the header timeout closed it."""
+    st, _, b = http_json(gateway.url + "/healthz")
+    pid = json.loads(b)["pid"]
+    base = _peak_rss_kib(pid)
+
+    async def exchange(head: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+        writer.write(head)
+        got = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return got
+
+    many = b"".join(b"X-Pad-%03d: %s\r\n" % (i, b"v" * 90) for i in range(600))  # 600 x 102 bytes
+    got = asyncio.run(exchange(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + many + b"\r\n"))
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n"), got[:200]
+    got = asyncio.run(exchange(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"a" * (80 << 10)
+                               + b"\r\n\r\n"))
+    body = b"request headers exceed server.max_header_bytes=65536 bytes\n"
+    assert got == (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                   b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)), got[:300]
+
+    async def stream_header() -> int:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        block = b"a" * (1 << 20)
+        sent = 0
+        try:
+            for _ in range(64):
+                writer.write(block)
+                await asyncio.wait_for(writer.drain(), 5)
+                sent += 1
+        except (ConnectionError, asyncio.TimeoutError):
+            pass
+        writer.close()
+        return sent
+
+    sent_mib = asyncio.run(stream_header())
+    assert sent_mib < 16, sent_mib  # the kernel's socket buffers, not the front-end, took the rest
+    grew_mib = (_peak_rss_kib(pid) - base) / 1024
+    assert grew_mib < 16, grew_mib
+    assert http_json(gateway.url + "/healthz")[0] == 200
