@@ -145,6 +145,9 @@ def _check_key(key: str, where: str, cfg_key: str) -> None:
                                    f"print('tml-' + secrets.token_urlsafe(32))\")")
     if any(c.isspace() or c == "," for c in key):
         raise ConfigError(cfg_key, f"{where}: an API key must not contain whitespace or commas")
+    if not (key.isascii() and key.isprintable()):
+        raise ConfigError(cfg_key, f"{where}: an API key must be printable ASCII (it travels in the X-API-Key "
+                                   "header, which the SDK sends as ASCII)")
 
 
 def read_keys_file(path: str) -> list[str]:
@@ -153,12 +156,13 @@ def read_keys_file(path: str) -> list[str]:
 
     Raises:
         ConfigError: (key ``auth.keys_file``) the file cannot be read, or a line is not a valid key
-            (must start with ``tml-``, then >= 16 characters, no whitespace or commas). The
+            (must start with ``tml-``, then >= 16 characters, printable ASCII, no whitespace or
+            commas). A UTF-8 byte-order mark at the start is ignored. The
             message names the line number, never the key.
     """
     try:
         st = os.stat(path)
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is not a key
             lines = f.read().splitlines()
     except FileNotFoundError:
         raise ConfigError("auth.keys_file", f"file {path!r} does not exist") from None

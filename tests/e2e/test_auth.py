@@ -47,6 +47,16 @@ def test_keys_from_file_and_env(tmp_path):
     assert KEY_A not in repr(table.__dict__) and KEY_A.encode() not in pickle.dumps(table)
 
 
+def test_keys_file_saved_by_a_windows_editor_loads(tmp_path):
+    """A keys file with a UTF-8 byte-order mark and CRLF line ends (Notepad) gives its keys.
+    Before: 'line 1: an API key must start with 'tml-'' (the BOM was part of the first key)."""
+    f = tmp_path / "keys"
+    f.write_bytes(f"\ufeff{KEY_A}\r\n# b\r\n{KEY_B}\r\n".encode("utf-8"))
+    table = load_key_table(AuthConfig(mode="keys", keys_file=str(f)), env={})
+    assert len(table) == 2 and table.owner(KEY_A) == owner_fingerprint(KEY_A)
+    assert table.owner(KEY_B) == owner_fingerprint(KEY_B)
+
+
 def test_open_mode_reads_nothing_and_accepts_everything(tmp_path):
     table = load_key_table(AuthConfig(mode="open", keys_file=str(tmp_path / "missing")), env={})
     assert table.mode == "open" and len(table) == 0
@@ -62,6 +72,12 @@ def test_open_mode_reads_nothing_and_accepts_everything(tmp_path):
     (f"# c\n{KEY_A[4:]}\n", {}, "auth.keys_file", "line 2: an API key must start with 'tml-'"),
     (None, {"SHARDSERVER_API_KEYS": f"{KEY_A},sk-0123456789abcdefghijkl"}, "auth.keys_env",
      "$SHARDSERVER_API_KEYS entry 2: an API key must start with 'tml-'"),
+    # An X-API-Key header carries ASCII: the SDK (httpx) cannot send this key, and raw UTF-8 bytes
+    # never match it. Before: loaded, and every request with it answered 401.
+    (f"{KEY_A}\ntml-schl\u00fcssel-0123456789abcdef\n", {}, "auth.keys_file",
+     "line 2: an API key must be printable ASCII (it travels in the X-API-Key header"),
+    (None, {"SHARDSERVER_API_KEYS": "tml-0123456789abcdef\x01"}, "auth.keys_env",
+     "$SHARDSERVER_API_KEYS entry 1: an API key must be printable ASCII"),
 ])
 def test_bad_keys_fail_with_the_key_and_never_echo_it(tmp_path, text, env, key, reason):
     f = tmp_path / "keys"
