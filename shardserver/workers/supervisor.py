@@ -60,7 +60,7 @@ from ..ids import load_id_secret
 from ..prometheus_dir import mark_process_dead, prepare_prometheus_dir
 from .liveness import Heartbeats
 from ..shm.arena import (SHM_DIR, check_shm_space, create_segment, pid_alive, remove_stale_segments, segment_name,
-                         unlink_segment)
+                         shm_free_bytes, unlink_segment)
 from .journal import JOURNAL_DIR, journal_tag
 
 __all__ = ["Supervisor", "ChildSpec", "StartupError"]
@@ -520,6 +520,9 @@ class Supervisor:
         self._restart(child)
 
     def _restart(self, child: ChildSpec) -> None:
+        if child.extra.pop("arena_retry", False):
+            self._respawn_encoder(child)  # its arena could not be created last time: try again
+            return
         code = child.proc.exitcode
         # A /tmp cleaner may have removed the run directory (sockets, metrics files): recreate it.
         os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)
@@ -535,12 +538,7 @@ class Supervisor:
             if old:
                 unlink_segment(old)
                 self.segments.discard(old)
-            child.incarnation += 1
-            conn = self._start_encoder(child)
-            try:
-                self._wait_ready(child, conn)
-            except StartupError as exc:
-                log.error("%s", exc)
+            self._respawn_encoder(child)
         elif child.role == "front-end":
             conn = self._start_front_end(child)
             try:
@@ -550,6 +548,34 @@ class Supervisor:
         else:
             log.error("the engine simulator died (code %s); restarting it", code)
             self._spawn_sim(child)
+
+    def _respawn_encoder(self, child: ChildSpec) -> None:
+        """Start a dead encoder again with a fresh arena. When the arena cannot be created
+        (``/dev/shm`` filled by something else: ENOSPC), log why and try again after 1, 2, 4 ...
+        30 s (meanwhile its shard answers 503/410 and the other shards serve) instead of letting
+        the error stop the whole gateway."""
+        child.incarnation += 1
+        try:
+            conn = self._start_encoder(child)
+        except OSError as exc:
+            tries = child.extra.get("arena_failures", 0) + 1
+            child.extra["arena_failures"] = tries
+            delay = min(2.0 ** (tries - 1), 30.0)
+            try:
+                free = f"{shm_free_bytes()[0]} bytes free"
+            except OSError:
+                free = "free space unknown"
+            log.error("%s cannot be restarted: cannot create its arena of %d bytes in %s (%s; %s; something "
+                      "else filling it?): retrying in %.1f s", child.name, self.cfg.shards.arena_bytes, SHM_DIR,
+                      exc, free, delay)
+            child.extra["arena_retry"] = True
+            child.restart_at = time.monotonic() + delay
+            return
+        child.extra.pop("arena_failures", None)
+        try:
+            self._wait_ready(child, conn)
+        except StartupError as exc:
+            log.error("%s", exc)
 
     def _shutdown(self) -> None:
         if self._stopping:

@@ -246,6 +246,58 @@ def test_crash_looping_encoder_restarts_with_backoff():
     assert any("restarting in 1.0 s" in line for line in held), held
 
 
+def test_an_arena_that_cannot_be_created_at_a_restart_is_retried_not_fatal():
+    """Another program fills /dev/shm: an encoder dies of SIGBUS writing a result, and creating
+    its fresh arena fails (ENOSPC). The supervisor logs why and tries again after a backoff; the
+    rest of the gateway keeps serving, and the encoder comes back once the arena can be created.
+    Here the creation fails the same way (``create_segment`` raising ``OSError``) because a file
+    already holds the name of the encoder's next arena. Before: the OSError escaped the supervise
+    loop and the supervisor stopped the whole gateway (exit code 1, connection refused)."""
+    env = {"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "1"}
+    with RunningServer(env=env) as s:
+        pid = s.proc.pid
+        (seg0,) = [n for n in _segments_of(pid) if "-a0." in n]
+        assert seg0.endswith("-a0.0")
+        squatter = os.path.join("/dev/shm", seg0[:-1] + "1")
+        open(squatter, "xb").close()
+        try:
+            (enc0,) = _titled(pid, "shardserver: encoder 0")
+            os.kill(enc0, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any("cannot create its arena" in ln for ln in s.log_lines):
+                time.sleep(0.05)
+            assert s.proc.poll() is None, "\n".join(s.log_lines[-20:])
+            line = next(ln for ln in s.log_lines if "cannot create its arena" in ln)
+            assert "ERROR" in line and "encoder 0" in line and "File exists" in line and "retrying in 1.0 s" in line
+            # Meanwhile the other shard serves: a sample on it completes.
+            api = Api(s.url)
+            from shardserver.ids import shard_of
+
+            ssid = api.sampling_session()
+            answers = [api.post("/api/v1/asample", {
+                "sampling_session_id": ssid, "seq_id": i, "num_samples": 1, "prompt": {"chunks": [{"tokens": [8, i]}]},
+                "sampling_params": {"max_tokens": 4, "seed": 1}}) for i in range(16)]
+            # asample for shard 0 is 503 (the SDK retries it), shard 1 takes the others.
+            assert {(st, b) for st, _, b in answers if st != 200} == {
+                (503, b'{"error":"shard 0 unavailable: encoder 0 is not connected; retry"}')}
+            on1 = [json.loads(b)["request_id"] for st, _, b in answers if st == 200]
+            assert on1 and all(shard_of(r, 2) == 1 for r in on1)
+            assert api.post("/api/v1/retrieve_future", {"request_id": on1[0]})[0] == 200
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and http_json(s.url + "/readyz")[0] != 200:
+                time.sleep(0.1)
+            assert http_json(s.url + "/readyz")[0] == 200
+            ours = [n for n in _segments_of(pid) if n != os.path.basename(squatter)]
+            assert sorted(n.rsplit("-", 1)[1] for n in ours) == ["a0.2", "a1.0"]
+            rid = next(r for r in (api.submit(ssid, [9, i], seq_id=100 + i) for i in range(40))
+                       if shard_of(r, 2) == 0)
+            assert api.post("/api/v1/retrieve_future", {"request_id": rid})[0] == 200
+        finally:
+            os.unlink(squatter)
+        assert s.stop() == 0
+    assert _segments_of(pid) == [] and not s.leftover_processes
+
+
 def test_ctrl_c_to_the_process_group_shuts_down_in_order():
     """Ctrl-C in a terminal sends SIGINT to every process of the group: only the supervisor acts
     on it, stopping front-ends before encoders; no tracebacks, nothing left."""
