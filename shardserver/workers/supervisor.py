@@ -557,7 +557,11 @@ class Supervisor:
         child.incarnation += 1
         try:
             conn = self._start_encoder(child)
-        except OSError as exc:
+        except OSError as exc:  # creating the arena, or starting the process (fork: ENOMEM, EAGAIN)
+            made = child.extra.pop("arena", None)
+            if made:  # created before the process failed to start: not kept for the next try
+                unlink_segment(made)
+                self.segments.discard(made)
             tries = child.extra.get("arena_failures", 0) + 1
             child.extra["arena_failures"] = tries
             delay = min(2.0 ** (tries - 1), 30.0)
@@ -565,9 +569,9 @@ class Supervisor:
                 free = f"{shm_free_bytes()[0]} bytes free"
             except OSError:
                 free = "free space unknown"
-            log.error("%s cannot be restarted: cannot create its arena of %d bytes in %s (%s; %s; something "
-                      "else filling it?): retrying in %.1f s", child.name, self.cfg.shards.arena_bytes, SHM_DIR,
-                      exc, free, delay)
+            log.error("%s cannot be restarted: cannot create its arena of %d bytes in %s or start it (%s; %s; "
+                      "something else filling it?): retrying in %.1f s", child.name, self.cfg.shards.arena_bytes,
+                      SHM_DIR, exc, free, delay)
             child.extra["arena_retry"] = True
             child.restart_at = time.monotonic() + delay
             return
