@@ -520,12 +520,10 @@ class Supervisor:
         self._restart(child)
 
     def _restart(self, child: ChildSpec) -> None:
-        if child.extra.pop("arena_retry", False):
-            self._respawn_encoder(child)  # its arena could not be created last time: try again
+        if child.extra.pop("respawn_retry", False):
+            self._respawn(child)  # starting it failed last time: try again
             return
         code = child.proc.exitcode
-        # A /tmp cleaner may have removed the run directory (sockets, metrics files): recreate it.
-        os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)
         child.restarts += 1
         mark_process_dead(child.proc.pid)
         from ..metrics import count_worker_restart
@@ -538,48 +536,55 @@ class Supervisor:
             if old:
                 unlink_segment(old)
                 self.segments.discard(old)
-            self._respawn_encoder(child)
-        elif child.role == "front-end":
-            conn = self._start_front_end(child)
+        elif child.role != "front-end":
+            log.error("the engine simulator died (code %s); restarting it", code)
+        self._respawn(child)
+
+    def _respawn(self, child: ChildSpec) -> None:
+        """Start a dead child again (an encoder with a fresh arena). When that fails with an
+        ``OSError`` (an encoder's arena cannot be created because something else filled
+        ``/dev/shm``: ENOSPC; ``fork`` failing: ENOMEM, EAGAIN; the run directory cannot be
+        recreated), log why and try again after 1, 2, 4 ... 30 s instead of letting the error
+        stop the whole gateway; meanwhile an encoder's shard answers 503/410 and the other
+        shards serve."""
+        conn = None
+        try:
+            # A /tmp cleaner may have removed the run directory (sockets, metrics files): recreate it.
+            os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)
+            if child.role == "encoder":
+                child.incarnation += 1
+                conn = self._start_encoder(child)
+            elif child.role == "front-end":
+                conn = self._start_front_end(child)
+            else:
+                self._spawn_sim(child)
+        except OSError as exc:
+            made = child.extra.pop("arena", None) if child.role == "encoder" else None
+            if made:  # an arena created before the process failed to start is not kept
+                unlink_segment(made)
+                self.segments.discard(made)
+            tries = child.extra.get("respawn_failures", 0) + 1
+            child.extra["respawn_failures"] = tries
+            delay = min(2.0 ** (tries - 1), 30.0)
+            if child.role == "encoder":
+                try:
+                    free = f"{shm_free_bytes()[0]} bytes free"
+                except OSError:
+                    free = "free space unknown"
+                log.error("%s cannot be restarted: cannot create its arena of %d bytes in %s or start it (%s; %s; "
+                          "something else filling it?): retrying in %.1f s", child.name,
+                          self.cfg.shards.arena_bytes, SHM_DIR, exc, free, delay)
+            else:
+                log.error("%s cannot be restarted: %s: retrying in %.1f s", child.name, exc, delay)
+            child.extra["respawn_retry"] = True
+            child.restart_at = time.monotonic() + delay
+            return
+        child.extra.pop("respawn_failures", None)
+        if conn is not None:
             try:
                 self._wait_ready(child, conn)
             except StartupError as exc:
                 log.error("%s", exc)
-        else:
-            log.error("the engine simulator died (code %s); restarting it", code)
-            self._spawn_sim(child)
-
-    def _respawn_encoder(self, child: ChildSpec) -> None:
-        """Start a dead encoder again with a fresh arena. When the arena cannot be created
-        (``/dev/shm`` filled by something else: ENOSPC), log why and try again after 1, 2, 4 ...
-        30 s (meanwhile its shard answers 503/410 and the other shards serve) instead of letting
-        the error stop the whole gateway."""
-        child.incarnation += 1
-        try:
-            conn = self._start_encoder(child)
-        except OSError as exc:  # creating the arena, or starting the process (fork: ENOMEM, EAGAIN)
-            made = child.extra.pop("arena", None)
-            if made:  # created before the process failed to start: not kept for the next try
-                unlink_segment(made)
-                self.segments.discard(made)
-            tries = child.extra.get("arena_failures", 0) + 1
-            child.extra["arena_failures"] = tries
-            delay = min(2.0 ** (tries - 1), 30.0)
-            try:
-                free = f"{shm_free_bytes()[0]} bytes free"
-            except OSError:
-                free = "free space unknown"
-            log.error("%s cannot be restarted: cannot create its arena of %d bytes in %s or start it (%s; %s; "
-                      "something else filling it?): retrying in %.1f s", child.name, self.cfg.shards.arena_bytes,
-                      SHM_DIR, exc, free, delay)
-            child.extra["arena_retry"] = True
-            child.restart_at = time.monotonic() + delay
-            return
-        child.extra.pop("arena_failures", None)
-        try:
-            self._wait_ready(child, conn)
-        except StartupError as exc:
-            log.error("%s", exc)
 
     def _shutdown(self) -> None:
         if self._stopping:
