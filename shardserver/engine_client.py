@@ -22,9 +22,11 @@ sends 502); vllm-router's 500 ``Request failed:
 (it could not reach the worker, or the worker's
 body broke); any 5xx when ``engine.retry_5xx``
 still unavailable after the budget               fails (``engine_budget_exhausted``)          server
-HTTP 4xx (other)                                 fails                                        user
-HTTP 400 "Out of range float values" (NaN),      fails (the engine ran it, or the path is     server
-404/405 ``{"detail": ...}`` (wrong engine path)  ours)
+HTTP 4xx (other: vLLM's JSON error envelope)     fails                                        user
+HTTP 400 "Out of range float values" (NaN),      fails (the engine ran it, the path is ours,  server
+404/405 ``{"detail": ...}`` (wrong engine path), or a proxy refused the gateway's request:
+a 4xx that is not JSON (a proxy's HTML page, a   not the user's fault)
+router's plain text, empty)
 HTTP 5xx (other)                                 fails                                        server
 no answer within ``engine.timeout_s`` of being   fails (the engine may be running it)         server
 sent; body over ``engine.max_body_bytes``
@@ -311,7 +313,11 @@ class EngineClient:
                     # was fine (spec §4, §8.1); a 404 in FastAPI's own shape ({"detail": "Not Found"})
                     # is a wrong engine path, ours.
                     wrong_path = status in (404, 405) and data[:11] == b'{"detail":"'
-                    user = 400 <= status < 500 and _NAN_MARK not in reason and not wrong_path
+                    # vLLM's 4xx carry its JSON error envelope; an HTML, plain-text or empty 4xx
+                    # comes from a proxy or router in between (nginx's 413 for a large body, a
+                    # router refusing the gateway's JSON): the deployment's fault, not the user's.
+                    from_vllm = data.lstrip()[:1] == b"{"
+                    user = 400 <= status < 500 and _NAN_MARK not in reason and not wrong_path and from_vllm
                     raise EngineError(reason, status=status, category="user" if user else "server")
             # Not answered: re-forward with backoff while the budget lasts.
             now = time.monotonic()

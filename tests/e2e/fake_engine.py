@@ -65,6 +65,8 @@ DEFAULTS: dict[str, Any] = {
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
     "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "script": None, "pad_bytes": 0, "pad_how": "chunked",
 }
+PHRASES = {200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 413: "Request Entity Too Large",
+           429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
 EOS = 151643
 # Qwen's special tokens: their text appears in the output only with skip_special_tokens false.
 SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
@@ -188,8 +190,7 @@ class _Server:
 
     @staticmethod
     async def send(writer: asyncio.StreamWriter, status: int, body: bytes, ctype: str = "application/json") -> None:
-        phrase = {200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 429: "Too Many Requests",
-                  500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}.get(status, "Status")
+        phrase = PHRASES.get(status, "Status")
         head = f"HTTP/1.1 {status} {phrase}\r\ncontent-length: {len(body)}\r\n"
         if body:
             head += f"content-type: {ctype}\r\n"
@@ -237,8 +238,9 @@ class _Server:
                 await self.send(writer, status, b"No available workers (all circuits open or unhealthy)",
                                 "text/plain; charset=utf-8")
             elif kind == "proxy":
-                await self.send(writer, status, f"<html>\r\n<head><title>{status} Bad Gateway</title></head>\r\n"
-                                f"<body>\r\n<center><h1>{status} Bad Gateway</h1></center>\r\n"
+                title = f"{status} {PHRASES.get(status, 'Error')}"
+                await self.send(writer, status, f"<html>\r\n<head><title>{title}</title></head>\r\n"
+                                f"<body>\r\n<center><h1>{title}</h1></center>\r\n"
                                 "<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n".encode(), "text/html")
             elif kind in ("router_send", "router_read"):
                 what = ("Request failed: error sending request for url (http://10.0.0.7:8000/v1/completions)"

@@ -259,6 +259,33 @@ def test_proxy_and_router_errors_for_an_unreachable_engine_are_reforwarded_while
         assert [e["request_id"] for e in completions(eng)][seen:] == [f"{rid}-a1"]
 
 
+def test_a_proxy_4xx_page_is_a_server_fault_not_the_users():
+    """nginx in front of vLLM refusing the gateway's request body (413, ``client_max_body_size``
+    1m by default: a prompt of ~150k tokens) answers its HTML page: the gateway's deployment is at
+    fault, not the user's request, so the sample fails with category server; so does a router's
+    plain-text 4xx (here a 422). vLLM's own 4xx (its JSON error envelope) stays category user.
+    Before: category user."""
+    with FakeEngine(status=413, status_body="proxy") as eng, gateway(eng.url) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid, _ = submit(api, ssid, 113, 0)
+        st, _, b = retrieve(api, rid)
+        err = json.loads(b)
+        assert st == 200 and err["category"] == "server", err
+        assert err["error"].startswith("engine returned HTTP 413: <html>") and "413 Request Entity Too Large" in err["error"]
+        eng.configure(status=400, status_body="vllm")
+        rid, _ = submit(api, ssid, 113, 1)
+        st, _, b = retrieve(api, rid)
+        assert st == 200 and json.loads(b)["category"] == "user"
+        eng.configure(status=422, status_body="router")
+        rid, _ = submit(api, ssid, 113, 2)
+        st, _, b = retrieve(api, rid)
+        assert st == 200 and json.loads(b) == {
+            "error": "engine returned HTTP 422: No available workers (all circuits open or unhealthy)",
+            "category": "server"}
+        assert [e["action"] for e in completions(eng)] == ["status"] * 3
+
+
 def _peak_rss_kib(pid: int) -> int:
     """VmHWM (peak resident set, KiB) of a live process."""
     with open(f"/proc/{pid}/status") as f:
