@@ -8,7 +8,8 @@ process: event loop, control socket, signals, parent watch.
 Life of a future in a shard::
 
     SUBMIT ──> PENDING ──engine 200──> decode ──> encode into arena ──> DONE ──DELIVERED──> (retrieved TTL) ──> freed
-                  │  └─ finish_reason abort ──> re-forward (engine.max_abort_resubmits) ──> GONE (410)
+                  │  └─ finish_reason abort ──> re-forward (engine.max_abort_resubmits) ──> GONE (410);
+                  │     FAILED (server) instead once every answer was aborted for engine.unavailable_budget_s
                   ├─ refused / broken connection, cut body, 408/429/503 ──> re-forwarded inside EngineClient
                   │     (backoff, within engine.unavailable_budget_s; then FAILED(server))
                   └─ engine 4xx ──> FAILED(user);  5xx / timeout / bad body ──> FAILED(server)
@@ -226,6 +227,10 @@ class EncoderCore:
         self.session_waiters: dict[tuple[str, int], asyncio.Future[bool]] = {}
         self._last_stamp = 0
         self.journal = journal
+        # Monotonic time of the first ``finish_reason: abort`` since the engine's last answer that
+        # was not aborted (None: it answers). Past engine.unavailable_budget_s, a future out of
+        # abort re-forwards fails instead of answering 410 (which the SDK would resubmit forever).
+        self._aborting_since: float | None = None
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float, now: float | None = None) -> None:
@@ -603,11 +608,24 @@ class EncoderCore:
                 if dc.aborted:
                     aborts += 1
                     self.counters["engine_aborts"] += 1
-                    if aborts > self.cfg.engine.max_abort_resubmits:
+                    now = time.monotonic()
+                    if self._aborting_since is None:
+                        self._aborting_since = now
+                    ec = self.cfg.engine
+                    if aborts > ec.max_abort_resubmits:
+                        aborting_for = now - self._aborting_since
+                        if aborting_for >= ec.unavailable_budget_s:
+                            self.counters["engine_budget_exhausted"] += 1
+                            self._fail(e, f"engine at {self.engine.display_url} aborted every request for "
+                                          f"{aborting_for:.1f} s (engine.unavailable_budget_s = "
+                                          f"{ec.unavailable_budget_s:g}); this one {aborts} times "
+                                          f"(engine.max_abort_resubmits = {ec.max_abort_resubmits})", "server")
+                            return
                         self._gone(e, f"engine aborted the request {aborts} times "
-                                      f"(engine.max_abort_resubmits={self.cfg.engine.max_abort_resubmits})")
+                                      f"(engine.max_abort_resubmits={ec.max_abort_resubmits})")
                         return
                     continue
+                self._aborting_since = None
                 body = b""  # nothing more to send: keep no request body
                 self._release_body(e)
                 self._store(e, dc)

@@ -286,6 +286,55 @@ def test_a_proxy_4xx_page_is_a_server_fault_not_the_users():
         assert [e["action"] for e in completions(eng)] == ["status"] * 3
 
 
+def test_an_engine_that_aborts_every_request_fails_samples_after_the_budget():
+    """vLLM answering ``finish_reason: abort`` to everything (a weight sync that never ends, an
+    engine paused for good): each future is re-forwarded engine.max_abort_resubmits times and
+    answers 410, and the SDK resubmits it as a new future. Once the engine has aborted every
+    answer for engine.unavailable_budget_s (2 s here), the next future that runs out of abort
+    re-forwards fails (category server) naming the engine and both keys, so the sample ends;
+    one answer that is not aborted ends that outage, and a single abort is re-forwarded as
+    before. Before: 410 for every resubmission, forever (the SDK waited until the caller's own
+    timeout)."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+    from tinker import types
+
+    with FakeEngine(abort=10_000) as eng, gateway(eng.url, unavailable_budget_s=2) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        t0 = time.monotonic()
+        answers = []
+        for seq in range(200):  # resubmit after each 410, as the SDK does
+            rid, _ = submit(api, ssid, 115, seq)
+            st, _, body = retrieve(api, rid)
+            answers.append(st)
+            if st != 410:
+                break
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        err = json.loads(body)
+        assert st == 200 and err["category"] == "server" and set(answers[:-1]) == {410}, (answers, body)
+        assert re.fullmatch(rf"engine at {re.escape(eng.url)}/v1/completions aborted every request for 2\.\d s "
+                            r"\(engine\.unavailable_budget_s = 2\); this one 3 times \(engine\.max_abort_resubmits = 2\)",
+                            err["error"]), err
+        assert 2.0 <= took < 6.0, took
+        assert counters(s)["engine_budget_exhausted"] == 1
+        # The real SDK: RequestFailedError, not an endless resubmission.
+        sampler = tinker.ServiceClient(base_url=s.url, api_key="tml-t").create_sampling_client(
+            base_model=BASE_MODEL).result(60)
+        with pytest.raises(tinker.RequestFailedError) as ei:
+            sampler.sample(prompt=types.ModelInput.from_ints([115, 5]), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=3, seed=1)).result(30)
+        assert "aborted every request for" in str(ei.value)
+        # An answer ends the outage; after it a single abort is re-forwarded transparently again.
+        eng.configure(abort=0)
+        rid, prompt = submit(api, ssid, 115, 500)
+        assert_result(*retrieve(api, rid), prompt, 500)
+        eng.configure(abort=1)
+        rid, prompt = submit(api, ssid, 115, 501)
+        assert_result(*retrieve(api, rid), prompt, 501)
+
+
 def _peak_rss_kib(pid: int) -> int:
     """VmHWM (peak resident set, KiB) of a live process."""
     with open(f"/proc/{pid}/status") as f:
