@@ -248,14 +248,20 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             # Count a request's head before the parser sees it: up to the blank line that ends it
             # (which may straddle two reads), else the whole read. A request pipelined behind
             # another in the same read is counted from its next read on (at most one read more).
-            buf = self._tail + data
-            end = buf.find(b"\r\n\r\n")
-            self._head_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._tail))
+            tail = self._tail
+            end = (tail + data[:3]).find(b"\r\n\r\n") if tail else -1  # the blank line straddles
+            if end >= 0:
+                end += 4 - len(tail)
+            else:
+                end = data.find(b"\r\n\r\n")  # no copy of the read (it may carry a large body)
+                if end >= 0:
+                    end += 4
+            self._head_bytes += len(data) if end < 0 else end
             if self._head_bytes > self._limits.max_header_bytes:
                 if not self.transport.is_closing():
                     self._reject_headers()
                 return
-            self._tail = buf[-3:] if end < 0 else b""
+            self._tail = (tail + data[-3:])[-3:] if end < 0 else b""
         super().data_received(data)
 
     def _reject_headers(self) -> None:
