@@ -146,6 +146,10 @@ class FutureEntry:
         return None if self.key is None else (self.key[0], self.key[1] // CLONE_SEQ_SPAN)
 
 
+# Superseded or dropped items the TTL heap may hold beyond twice the live futures before it is
+# rebuilt (EncoderCore._set_deadline).
+HEAP_SLACK = 4096
+
 # The SDK numbers a cloned SamplingClient's requests from cloned_sampler_id * 10**9
 # (tinker 0.38 ``SamplingClient._request_id_counter``; FuturesRetrieveRequest's target docstring).
 CLONE_SEQ_SPAN = 1_000_000_000
@@ -234,9 +238,19 @@ class EncoderCore:
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float, now: float | None = None) -> None:
+        """Give ``e`` a new TTL deadline (``now`` + ``ttl`` s, monotonic). The TTL heap keeps the
+        superseded items and those of dropped futures until their own deadlines (up to
+        ``futures.pending_ttl_s``, an hour): once they outnumber the live ones, it is rebuilt from
+        the table, so it never holds more than ``2 × (the most futures the table held) + HEAP_SLACK + 1``
+        items."""
         e.deadline = (time.monotonic() if now is None else now) + ttl
         self._heap_seq += 1
         heapq.heappush(self._heap, (e.deadline, self._heap_seq, e.fid))
+        if len(self._heap) > 2 * len(self.table) + HEAP_SLACK:
+            self._heap = [(x.deadline, i, x.fid) for i, x in enumerate(self.table.values())]
+            heapq.heapify(self._heap)
+            self._heap_seq = len(self._heap)
+            self.counters["ttl_heap_rebuilds"] += 1
 
     def _set_state(self, e: FutureEntry, state: FutureState) -> None:
         """Move a future (still in the table) to ``state``, keeping the per-state counts that

@@ -306,6 +306,39 @@ def test_session_poll_acks_free_results_of_that_session_only(core):
     asyncio.run(go())
 
 
+def test_ttl_heap_stays_bounded_when_futures_are_acked_and_ttls_still_fire(core, monkeypatch):
+    """Every future pushes a TTL heap item at SUBMIT (futures.pending_ttl_s, an hour), at
+    completion and at delivery; an ack drops the future but used to leave its items in the heap
+    until their deadlines: ~3 items (~0.5 KB with the fid) per result for up to an hour, so a
+    gateway at 500 results/s grew by ~0.8 GB (burst-32k with 64 tokens, 150,000 results: encoder
+    PSS 73 -> 141 MiB). The heap is rebuilt from the table once stale items dominate."""
+    import shardserver.workers.encoder as enc
+
+    monkeypatch.setattr(enc, "HEAP_SLACK", 64)
+
+    async def go():
+        keep = core.submit(*_meta(0, 10)).request_id  # completed, never delivered: its TTL must still fire
+        for seq in range(1, 601):
+            rid = core.submit(*_meta(seq, 10)).request_id
+            await asyncio.sleep(0)
+            for _ in range(50):
+                if core.table[rid].state != "pending":
+                    break
+                await asyncio.sleep(0.001)
+            core.delivered_ok(rid)
+            await core.session_poll(_sp(acks=[rid]))
+            assert len(core._heap) <= 2 * 2 + 64 + 1  # the table never held more than 2 futures at a push
+        assert list(core.table) == [keep] and core.counters["acked"] == 600
+        assert core.counters["ttl_heap_rebuilds"] >= 1
+        # The kept future's TTL item survived the rebuilds: it expires at its deadline, not before.
+        deadline = core.table[keep].deadline
+        assert core.sweep(now=deadline - 1.0) == 0 and keep in core.table
+        assert core.sweep(now=deadline) == 1 and keep not in core.table
+        _check_stages(core)
+
+    asyncio.run(go())
+
+
 def test_session_poll_holds_until_a_completion_or_a_newer_poll(core):
     async def go():
         import time
