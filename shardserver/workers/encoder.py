@@ -97,7 +97,7 @@ from ..messages import (
 )
 from ..metrics import EncoderTimers, ShardCounters
 from ..shm.arena import ArenaWriter, Slot
-from .journal import JOURNAL_DIR, FutureJournal, JournalRecord
+from .journal import JOURNAL_DIR, FutureJournal, JournalRecord, JournalUnwritable
 
 if TYPE_CHECKING:
     from ..health import EngineProbe
@@ -950,7 +950,9 @@ class EncoderProc:
         """Take over this shard's journals and open its new one (see
         :mod:`shardserver.workers.journal`); ``(None, [])`` when the poller is off
         (``futures.retrieve_futures``: nobody to report to), and with a warning when there is no
-        ``server.state_dir`` or it cannot be written."""
+        ``server.state_dir`` or it cannot be written; ``(None, records)`` with a warning when the
+        old journals were read but the new one cannot be written (disk full): those futures are
+        still reported. A journal file that cannot be read is skipped with a warning."""
         if not tag or not cfg.futures.retrieve_futures:
             return None, []
         if not cfg.server.state_dir:
@@ -967,7 +969,8 @@ class EncoderProc:
         except OSError as exc:
             log.warning("encoder %d: cannot keep a futures journal in %s (%s): futures in flight when this encoder "
                         "or the gateway restarts will not be reported to pollers", shard, cfg.server.state_dir, exc)
-            return None, []
+            # What was read is still reported (the files stay for the next run, which reads them again).
+            return None, exc.takeover.records if isinstance(exc, JournalUnwritable) else []
         if took.bad_lines:
             log.warning("encoder %d: %d unreadable journal lines ignored", shard, took.bad_lines)
         if took.waited_s > 0.5:

@@ -35,8 +35,8 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["FutureJournal", "JournalRecord", "JournalTakeover", "journal_tag", "read_journal", "add_line", "end_line",
-           "COMPACT_SLACK", "JOURNAL_DIR"]
+__all__ = ["FutureJournal", "JournalRecord", "JournalTakeover", "JournalUnwritable", "journal_tag", "read_journal",
+           "add_line", "end_line", "COMPACT_SLACK", "JOURNAL_DIR"]
 
 log = logging.getLogger("shardserver.journal")
 
@@ -71,6 +71,8 @@ class JournalTakeover:
         bad_lines: lines ignored (CRC mismatch, malformed, or a cut last line).
         waited_s: seconds spent waiting for another process's lock (s).
         lock_timeouts: files read without their lock (its holder kept it past ``lock_wait_s``).
+        unreadable: files that could not be opened or read (an I/O error, another user's file, a
+            directory in its place); left where they are, their futures unknown.
     """
 
     records: list[JournalRecord]
@@ -78,6 +80,17 @@ class JournalTakeover:
     bad_lines: int = 0
     waited_s: float = 0.0
     lock_timeouts: int = 0
+    unreadable: int = 0
+
+
+class JournalUnwritable(OSError):
+    """:meth:`FutureJournal.open` read the journals it took over but could not write the new one
+    (ENOSPC, EFBIG, EIO, ...). ``takeover`` is what it read (the futures still owed a report);
+    the files it read are left in place, so the next encoder of the shard reads them again."""
+
+    def __init__(self, exc: OSError, takeover: JournalTakeover) -> None:
+        super().__init__(exc.errno, exc.strerror or str(exc), exc.filename)
+        self.takeover = takeover
 
 
 def journal_tag(host: str, port: int) -> str:
@@ -128,6 +141,17 @@ def read_journal(data: bytes) -> tuple[dict[str, JournalRecord], int]:
         else:
             bad += 1
     return live, bad
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``: ``write`` may take only part of it (a file size limit, a
+    disk filling up), and the next call then raises the reason (``OSError``: EFBIG, ENOSPC)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[n:]
 
 
 def _lock(fd: int, deadline: float) -> bool:
@@ -214,10 +238,13 @@ class FutureJournal:
         ``<tag>.<shard>.journal``, holding the futures still owed a report, which are returned
         (their records stay in the new journal until :meth:`end`). ``stale_s`` > 0: journals of
         other gateways (other tags) not written for ``stale_s`` seconds and not locked are
-        removed (a gateway that never came back on that address).
+        removed (a gateway that never came back on that address). A file that cannot be opened
+        or read is skipped with a WARNING and left in place (``JournalTakeover.unreadable``).
 
         Raises:
-            OSError: the directory or a file cannot be created, read or written.
+            JournalUnwritable: the journals were read but the new one cannot be written (what was
+                read is in its ``takeover``; the old files are left in place).
+            OSError: the directory cannot be created or listed.
         """
         os.makedirs(directory, mode=0o700, exist_ok=True)
         if stale_s > 0:
@@ -241,23 +268,38 @@ class FutureJournal:
                     except FileNotFoundError:
                         pass
                     continue
-                fd = _open_locked(path, deadline)
+                try:
+                    fd = _open_locked(path, deadline)
+                except OSError as exc:  # one bad file must not cost the shard its journal
+                    out.unreadable += 1
+                    log.warning("journal %s cannot be opened (%s); its futures will not be reported", path, exc)
+                    continue
                 if fd is None:
                     continue
                 if fd < 0:  # still locked at the deadline: read it anyway
                     fd = -fd - 1
                     out.lock_timeouts += 1
                     log.warning("journal %s is still locked after %.1f s; taking it over anyway", path, lock_wait_s)
+                try:
+                    with os.fdopen(os.dup(fd), "rb") as f:
+                        data = f.read()
+                except OSError as exc:
+                    os.close(fd)
+                    out.unreadable += 1
+                    log.warning("journal %s cannot be read (%s); its futures will not be reported", path, exc)
+                    continue
                 taken.append((path, fd))
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    found, bad = read_journal(f.read())
+                found, bad = read_journal(data)
                 out.files += 1
                 out.bad_lines += bad
                 for fid, rec in found.items():
                     live.setdefault(fid, rec)
             out.waited_s = time.monotonic() - t0
             out.records = list(live.values())
-            fd = cls._rewrite(mine, (add_line(r.fid, r.sid, r.clone) for r in out.records))
+            try:
+                fd = cls._rewrite(mine, (add_line(r.fid, r.sid, r.clone) for r in out.records))
+            except OSError as exc:
+                raise JournalUnwritable(exc, out) from exc
             for path, _ in taken:
                 if path != mine:
                     os.unlink(path)
@@ -280,10 +322,10 @@ class FutureJournal:
                 buf.append(line)
                 size += len(line)
                 if size >= 1 << 20:
-                    os.write(fd, b"".join(buf))
+                    _write_all(fd, b"".join(buf))
                     buf, size = [], 0
             if buf:
-                os.write(fd, b"".join(buf))
+                _write_all(fd, b"".join(buf))
             os.rename(tmp, path)
         except BaseException:
             os.close(fd)
@@ -294,16 +336,23 @@ class FutureJournal:
             raise
         return fd
 
+    def _append(self, line: bytes) -> None:
+        """One record, in one ``write`` unless the kernel took only part of it (then the rest,
+        or the ``OSError`` saying why not)."""
+        n = os.write(self.fd, line)
+        if n != len(line):
+            _write_all(self.fd, line[n:])
+
     def add(self, fid: str, sid: str, clone: int) -> None:
         """Record that the shard accepted the future ``fid`` of session ``(sid, clone)``."""
-        os.write(self.fd, add_line(fid, sid, clone))
+        self._append(add_line(fid, sid, clone))
         self.live += 1
         self.records += 1
 
     def end(self, fid: str) -> None:
         """Record that the shard owes no report for ``fid`` any more (it left the table, or the
         session's poller cursor passed it)."""
-        os.write(self.fd, end_line(fid))
+        self._append(end_line(fid))
         self.live -= 1
         self.records += 1
 

@@ -257,3 +257,66 @@ def test_stale_journals_of_other_gateways_are_removed_unless_held(tmp_path):
     assert _files(tmp_path) == sorted([f"{held}.0.journal", f"{fresh}.0.journal", f"{TAG}.0.journal"])
     keeper.close()
     j.close()
+
+
+def _encoder_cfg(state_dir, shards: int):
+    return config_from_mapping({"server": {"state_dir": str(state_dir)}, "shards": {"count": shards}}, env={})
+
+
+def test_a_journal_file_that_cannot_be_opened_does_not_stop_the_take_over(tmp_path):
+    """Shard 0 of 2 owns ``<tag>.0.journal`` and ``<tag>.2.journal`` (an earlier run with 4
+    shards). The second cannot be opened (here a directory stands in its place; an I/O error or
+    a file of another user does the same): the encoder still takes the first over, reports its
+    futures and keeps a journal for its own, and leaves the unreadable one alone. (It used to
+    give up on the whole take-over: no journal for the run, its predecessor's futures never
+    reported, so a poller-mode sample waited forever.)"""
+    from shardserver.workers.encoder import EncoderProc
+
+    d = tmp_path / "futures"
+    d.mkdir()
+    (d / f"{TAG}.0.journal").write_bytes(jmod.add_line(_fid(1), "s", 0) + jmod.add_line(_fid(2), "s", 3))
+    (d / f"{TAG}.2.journal").mkdir()
+    journal, records = EncoderProc._open_journal(_encoder_cfg(tmp_path, 2), 0, TAG)
+    assert journal is not None
+    assert records == [JournalRecord(_fid(1), "s", 0), JournalRecord(_fid(2), "s", 3)]
+    journal.add(_fid(3), "s", 0)
+    assert read_journal((d / f"{TAG}.0.journal").read_bytes()) == (
+        {_fid(i): JournalRecord(_fid(i), "s", c) for i, c in ((1, 0), (2, 3), (3, 0))}, 0)
+    assert (d / f"{TAG}.2.journal").is_dir()
+    journal.close()
+
+
+_NO_ROOM_CHILD = r"""
+import json, resource, signal, sys
+from shardserver.config import config_from_mapping
+from shardserver.workers.encoder import EncoderProc
+# Files larger than 2 KiB cannot be written (EFBIG instead of SIGXFSZ): the new journal does not fit.
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+cfg = config_from_mapping({"server": {"state_dir": sys.argv[1]}, "shards": {"count": 1}}, env={})
+journal, records = EncoderProc._open_journal(cfg, 0, sys.argv[2])
+print(json.dumps({"journal": journal is not None, "records": [[r.fid, r.sid, r.clone] for r in records]}))
+"""
+
+
+def test_futures_read_from_the_old_journal_are_reported_even_when_the_new_one_cannot_be_written(tmp_path):
+    """The new encoder reads its predecessor's journal (64 futures owed a report) but cannot
+    write its own (a real EFBIG: the process's RLIMIT_FSIZE is below the journal's size; a full
+    disk gives ENOSPC the same way). It runs without a journal, as before, but still restores
+    the 64 futures it read so their sessions' pollers get them as failed, and leaves the old
+    file in place for the next run. (It used to drop what it had read: 64 samples waiting
+    forever.)"""
+    import subprocess
+    import sys
+
+    d = tmp_path / "futures"
+    d.mkdir()
+    data = b"".join(jmod.add_line(_fid(i), "ss-session", i % 2) for i in range(64))
+    assert len(data) > 2048
+    (d / f"{TAG}.0.journal").write_bytes(data)
+    out = subprocess.run([sys.executable, "-c", _NO_ROOM_CHILD, str(tmp_path), TAG], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got == {"journal": False, "records": [[_fid(i), "ss-session", i % 2] for i in range(64)]}
+    assert _files(d) == [f"{TAG}.0.journal"] and (d / f"{TAG}.0.journal").read_bytes() == data
