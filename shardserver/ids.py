@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 
 __all__ = ["IdSigner", "FutureIdStatus", "shard_of", "SamplingSession", "HOST_ID_RE", "future_host", "IdSecret",
-           "load_id_secret", "ID_SECRET_FILE", "MIN_SECRET_CHARS"]
+           "load_id_secret", "ID_SECRET_FILE", "MIN_SECRET_CHARS", "CURSOR_TAG_SPAN", "cursor_tag"]
 
 ID_SECRET_FILE = "id_secret"
 MIN_SECRET_CHARS = 16
@@ -59,6 +59,19 @@ MIN_SECRET_CHARS = 16
 # The host group is optional only to recognise IDs minted before host ids existed.
 _FID_RE = re.compile(r"^f([0-9a-f]{8})-(?:([a-z0-9]{1,16})-)?([0-9a-f]{32})-([0-9a-f]{16})$")
 HOST_ID_RE = re.compile(r"[a-z0-9]{1,16}")
+
+
+# The session-wide poller's cursors (completion stamps, ns) of one server run are all congruent to
+# the run's tag modulo CURSOR_TAG_SPAN, so a cursor the SDK got from another clock (the host
+# rebooted, the state directory moved to another host) is recognised instead of being taken as a
+# point of this run's clock (it could pass completions nobody reported; shardserver/api/futures.py).
+CURSOR_TAG_SPAN = 1024
+
+
+def cursor_tag(run_id: str) -> int:
+    """The cursor tag of the server run ``run_id`` (8 hex characters): 1..CURSOR_TAG_SPAN - 1,
+    the remainder modulo :data:`CURSOR_TAG_SPAN` of every completion stamp (ns) of the run."""
+    return 1 + int(run_id, 16) % (CURSOR_TAG_SPAN - 1)
 
 
 def shard_of(id_str: str, shards: int) -> int:

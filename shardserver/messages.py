@@ -177,9 +177,10 @@ class SessionPollRequest(_Message, kw_only=True):
     for the SDK's session-wide poller ``POST /api/v1/retrieve_futures``.
 
     Each shard stamps every completion (a future leaving PENDING: done, failed or gone) with a
-    ``time.monotonic_ns()`` value, strictly increasing within the shard; CLOCK_MONOTONIC is one
-    clock for every process of the host, so a stamp is comparable across shards and the cursor
-    the SDK carries is one integer (see :mod:`shardserver.api.futures`).
+    ``time.monotonic_ns()`` value (moved up by less than 1 µs to the run's
+    :func:`~shardserver.ids.cursor_tag` modulo 1024), strictly increasing within the shard;
+    CLOCK_MONOTONIC is one clock for every process of the host, so a stamp is comparable across
+    shards and the cursor the SDK carries is one integer (see :mod:`shardserver.api.futures`).
 
     Attributes:
         sid: the ``sampling_session_id``.
@@ -343,7 +344,8 @@ class CompletionEvent(_Message, kw_only=True, array_like=True):
 
     Attributes:
         fid: the future ID.
-        stamp: when it completed (``time.monotonic_ns()``, strictly increasing within a shard).
+        stamp: when it completed (``time.monotonic_ns()`` moved up to the run's cursor tag,
+            strictly increasing within a shard).
         ok: True: a result lies in the arena (the SDK's ``"finished"``); False: failed or gone
             (``"failed"``: the SDK then calls ``retrieve_future``, which answers the error or 410).
         size: the result's protobuf bytes when ``ok`` (the SDK's

@@ -8,7 +8,9 @@ fetches that one result with ``retrieve_future`` and acknowledges it in the next
 
 Futures live in the shards (the shard a future ID hashes to), so a session's completions are
 spread over every shard. Each shard stamps a completion with ``time.monotonic_ns()`` (one clock
-for every process of the host, strictly increasing within a shard) and keeps a log per session
+for every process of the host, strictly increasing within a shard; moved up, by less than 1 µs, to
+the next value congruent to the run's :func:`~shardserver.ids.cursor_tag`, so a cursor of another
+run or clock is told apart and taken as 0) and keeps a log per session
 (:meth:`shardserver.workers.encoder.EncoderCore.session_poll`). The cursor the SDK carries is
 one such stamp: every completion of the session stamped at or before it has been reported. A
 poll runs in up to three steps, each a SESSION_POLL to every shard:
@@ -52,7 +54,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..errors import ControlError, EncoderDeadError
-from ..ids import FutureIdStatus, shard_of
+from ..ids import CURSOR_TAG_SPAN, FutureIdStatus, cursor_tag, shard_of
 from ..messages import CompletionEvent, SessionPollReply, SessionPollRequest
 from .auth import owner_of
 from .common import error, read_json, refuse_future_id
@@ -159,8 +161,13 @@ async def retrieve_futures(request: Request) -> JSONResponse:
     long_poll = cfg.futures.long_poll_s
     hold = 0.0 if ctx.draining else long_poll if req.timeout is None else min(req.timeout, long_poll)
     now = time.monotonic_ns()
-    # A cursor from the future comes from another clock (the host rebooted): start over.
-    after = req.prev_cursor if req.prev_cursor <= now else 0
+    # A cursor from the future, or without this run's tag, was not issued by this run: it comes
+    # from an earlier run or another clock (the host rebooted; the state directory moved to
+    # another host), where it may lie between this run's start and now and would pass the
+    # futures lost at the restart unreported. Start over (completions may come twice; the SDK
+    # ignores those it does not wait for).
+    prev = req.prev_cursor
+    after = prev if prev <= now and prev % CURSOR_TAG_SPAN == cursor_tag(ctx.signer.run_id) else 0
     ctx.count("retrieve_futures")
     try:
         events, cursor = await collect(ctx, sid, clone, after, now, acks)

@@ -36,8 +36,8 @@ delivered yet), of ``shards.max_pending`` and of
 is refused with reason KEY_QUOTA (429), so one key cannot lock out another.
 
 Completions per sampling session (for the SDK's session-wide poller, ``retrieve_futures``):
-every future that leaves PENDING gets a stamp (``time.monotonic_ns()``, strictly increasing
-within the shard) and goes into its session's log, keyed by ``(sampling_session_id,
+every future that leaves PENDING gets a stamp (``time.monotonic_ns()`` moved up to the run's
+cursor tag, :func:`shardserver.ids.cursor_tag`; strictly increasing within the shard) and goes into its session's log, keyed by ``(sampling_session_id,
 seq_id // 10**9)`` (the SDK's ``cloned_sampler_id``). A SESSION_POLL returns a session's stamps
 in a range and forgets those the client's cursor has passed; an entry also leaves the log when
 its future leaves the table (TTL, eviction, ack, cancel), so the logs never hold more than the
@@ -70,7 +70,7 @@ from ..config import Config, mask_url
 from ..control import serve_control
 from ..engine_client import AttemptIds, EngineClient
 from ..errors import EngineBodyError, EngineError
-from ..ids import IdSigner
+from ..ids import CURSOR_TAG_SPAN, IdSigner, cursor_tag
 from ..messages import (
     CancelReply,
     CancelRequest,
@@ -187,13 +187,17 @@ class EncoderCore:
             (:class:`~shardserver.workers.journal.FutureJournal`); None: none is kept (futures
             in flight when the encoder dies are never reported to a poller). The caller opens
             it, passes what it took over to :meth:`restore`, and closes it.
+        cursor_tag: the run's :func:`~shardserver.ids.cursor_tag`: every completion stamp is
+            congruent to it modulo :data:`~shardserver.ids.CURSOR_TAG_SPAN` (and at or after the
+            moment it is logged); 0: plain ``time.monotonic_ns()`` stamps.
 
     The arena, the engine client and the probe stay the caller's: :meth:`close` ends only the
     shard's own work.
     """
 
     def __init__(self, cfg: Config, shard: int, arena: ArenaWriter, engine: EngineClient, signer: IdSigner,
-                 engine_probe: EngineProbe | None = None, journal: FutureJournal | None = None) -> None:
+                 engine_probe: EngineProbe | None = None, journal: FutureJournal | None = None,
+                 cursor_tag: int = 0) -> None:
         self.cfg = cfg
         self.shard = shard
         self.arena = arena
@@ -230,6 +234,7 @@ class EncoderCore:
         self.session_logs: dict[tuple[str, int], dict[str, int]] = {}
         self.session_waiters: dict[tuple[str, int], asyncio.Future[bool]] = {}
         self._last_stamp = 0
+        self.cursor_tag = cursor_tag
         self.journal = journal
         # Monotonic time of the first ``finish_reason: abort`` since the engine's last answer that
         # was not aborted (None: it answers). Past engine.unavailable_budget_s, a future out of
@@ -270,9 +275,17 @@ class EncoderCore:
         key = e.session_key
         if key is None:
             return
-        stamp = time.monotonic_ns()
+        now = time.monotonic_ns()
+        step = 1
+        if self.cursor_tag:  # the next value >= now that is congruent to the run's tag
+            step = CURSOR_TAG_SPAN
+            stamp = now - now % step + self.cursor_tag
+            if stamp < now:
+                stamp += step
+        else:
+            stamp = now
         if stamp <= self._last_stamp:
-            stamp = self._last_stamp + 1
+            stamp = self._last_stamp + step
         self._last_stamp = e.stamp = stamp
         log_ = self.session_logs.get(key)
         if log_ is None:
@@ -1023,7 +1036,7 @@ class EncoderProc:
         probe.outage = lambda: engine.unavailable() is not None  # probe every DOWN_PROBE_S meanwhile
         engine.on_answer = probe.kick  # an answered request re-runs a failed probe at once
         core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id, cfg.server.host_id),
-                           engine_probe=probe, journal=journal)
+                           engine_probe=probe, journal=journal, cursor_tag=cursor_tag(run_id))
         if taken:
             n = core.restore(taken)
             log.warning("encoder %d: %d futures were in flight when its predecessor stopped; their sessions' "

@@ -290,3 +290,47 @@ def test_sigterm_refuses_new_connections_once_the_front_ends_stopped(tmp_path):
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", s.port), timeout=5).close()
         assert s.proc.wait(15) == 0
+
+
+def test_a_cursor_from_another_clock_does_not_pass_the_futures_a_restart_lost(tmp_path):
+    """A gateway with 4 futures in flight is SIGKILLed and started again on its port; the new
+    run's encoders restore the 4 from their journals, stamped when they start. A poller whose
+    cursor comes from another clock (the host rebooted, or the state directory moved to another
+    host, while the SDK kept its cursor) may carry any number, also one between the new run's
+    start and now: it must still get the 4 as failed (then 410, and the SDK resubmits). Such a
+    cursor used to be taken as a point of this run's clock, which passed the 4 unreported: their
+    samples waited forever. Cursors of a run are congruent to its tag modulo 1024 (1..1023);
+    this one (a multiple of 1024) is not."""
+    port = _free_port()
+    env = _env(tmp_path, SHARDSERVER_SIMULATOR__LATENCY_S="30", SHARDSERVER_SERVER__FRONT_ENDS="1")
+    first = RunningServer(env=env, args=["--port", str(port)]).__enter__()
+    second = None
+    try:
+        api = Api(first.url)
+        ssid = api.sampling_session()
+        rids = [api.submit(ssid, [5, i], seq_id=i) for i in range(4)]
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(10)
+        second = RunningServer(env=env, args=["--port", str(port)]).__enter__()
+        now = time.monotonic_ns()  # after the new encoders restored the 4: the worst such cursor
+        foreign = now - now % 1024
+
+        def poll(cursor: int) -> tuple[int, dict]:
+            st, _, b = api.post("/api/v1/retrieve_futures", {
+                "target": {"type": "sampling_session", "sampling_session_id": ssid, "cloned_sampler_id": 0},
+                "prev_cursor": cursor, "retrieved_request_ids": [], "timeout": 0})
+            return st, json.loads(b)
+
+        st, js = poll(foreign)
+        assert st == 200
+        assert sorted(c["request_id"] for c in js["completions"]) == sorted(rids)
+        assert all(c == {"state": "failed", "request_id": c["request_id"]} for c in js["completions"])
+        for rid in rids:
+            assert api.post("/api/v1/retrieve_future", {"request_id": rid})[0] == 410
+        # The cursor of this run passes them: reported once.
+        assert poll(js["cursor"]) == (200, {"completions": [], "cursor": js["cursor"]})
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert not second.leftover_processes

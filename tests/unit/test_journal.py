@@ -320,3 +320,22 @@ def test_futures_read_from_the_old_journal_are_reported_even_when_the_new_one_ca
     got = json.loads(out.stdout)
     assert got == {"journal": False, "records": [[_fid(i), "ss-session", i % 2] for i in range(64)]}
     assert _files(d) == [f"{TAG}.0.journal"] and (d / f"{TAG}.0.journal").read_bytes() == data
+
+
+def test_stamps_carry_the_runs_cursor_tag_and_never_precede_their_logging(tmp_path, make_core):
+    """With a cursor tag (a run's :func:`shardserver.ids.cursor_tag`) every completion stamp is
+    congruent to it modulo 1024, at or after the monotonic time it was logged, less than 1024 ns
+    after it unless the previous stamp pushes it, and strictly increasing."""
+    from shardserver.ids import CURSOR_TAG_SPAN, cursor_tag
+
+    assert cursor_tag("00000000") == 1 and cursor_tag("ffffffff") == 1 + 0xFFFFFFFF % 1023
+    assert all(1 <= cursor_tag(f"{i:08x}") < CURSOR_TAG_SPAN for i in range(0, 1 << 32, 7919 * 4099))
+    core = make_core(None)
+    core.cursor_tag = 5
+    t0 = time.monotonic_ns()
+    assert core.restore([JournalRecord(_fid(i), "s", 0) for i in range(50)]) == 50
+    t1 = time.monotonic_ns()
+    stamps = [core.table[_fid(i)].stamp for i in range(50)]
+    assert all(st % CURSOR_TAG_SPAN == 5 for st in stamps)
+    assert all(b > a for a, b in zip(stamps, stamps[1:]))
+    assert t0 <= stamps[0] < t1 + CURSOR_TAG_SPAN and stamps[-1] < t1 + 50 * CURSOR_TAG_SPAN
