@@ -213,13 +213,14 @@ class FuturesConfig:
     long_poll_s: float = 25.0
     # TTL sweep period.
     sweep_interval_s: float = 1.0
-    # Serve POST /api/v1/retrieve_futures (the SDK's session-wide poller, tinker >= 0.26.2) and
-    # announce it in /client/config (``sample_use_retrieve_futures``). A poller-mode SDK learns of
-    # a future only from the server: futures in flight when the gateway restarts or an encoder
-    # dies are kept in a journal in ``server.state_dir`` and reported as failed by the next
-    # encoder of their shard (the SDK then gets 410 and resubmits). Without a writable
-    # ``server.state_dir`` for the journals the gateway turns it off for the run (a WARNING):
-    # per-request polling gets 410 for lost futures and resubmits.
+    # Announce POST /api/v1/retrieve_futures (the SDK's session-wide poller, tinker >= 0.26.2) in
+    # /client/config (``sample_use_retrieve_futures``). The endpoint is served and the futures
+    # journals are kept either way: an SDK reads /client/config once, so one that learned the
+    # poller from an earlier run keeps polling. A poller-mode SDK learns of a future only from the
+    # server: futures in flight when the gateway restarts or an encoder dies are kept in a
+    # journal in ``server.state_dir`` and reported as failed by the next encoder of their shard
+    # (the SDK then gets 410 and resubmits). Without a writable ``server.state_dir`` the gateway
+    # does not announce it for the run (a WARNING): per-request polling gets 410 for lost futures.
     retrieve_futures: bool = True
     # Most completions one retrieve_futures answer lists (the rest come with the next poll).
     retrieve_futures_max_ids: int = 1024

@@ -139,13 +139,14 @@ def completions_json(events: list[CompletionEvent]) -> list[dict[str, Any]]:
 async def retrieve_futures(request: Request) -> JSONResponse:
     """The session-wide poller: ``{"completions": [...], "cursor": int}`` (module docstring).
 
-    404 when ``futures.retrieve_futures`` is off or the sampling session is not this server's
-    (for this API key); 503 when a shard did not answer (the SDK retries after 1 s).
+    Served whether or not ``futures.retrieve_futures`` announces it: an SDK reads
+    ``/client/config`` once, so one that learned the poller from an earlier run of the gateway
+    keeps polling after a restart with the flag off (a 404 failed SDK 0.38's every later sample
+    and made SDK 0.26.2 retry forever). 404 when the sampling session is not this server's (for
+    this API key); 503 when a shard did not answer (the SDK retries after 1 s).
     """
     ctx = context(request)
     cfg = ctx.cfg
-    if not cfg.futures.retrieve_futures:
-        return error(404, "retrieve_futures is disabled on this server (futures.retrieve_futures = false)")
     req = RetrieveFuturesRequest.model_validate(await read_json(request))
     owner = owner_of(request)
     sid, clone = req.target.sampling_session_id, req.target.cloned_sampler_id

@@ -961,12 +961,12 @@ class EncoderProc:
     @staticmethod
     def _open_journal(cfg: Config, shard: int, tag: str) -> tuple[FutureJournal | None, list[JournalRecord]]:
         """Take over this shard's journals and open its new one (see
-        :mod:`shardserver.workers.journal`); ``(None, [])`` when the poller is off
-        (``futures.retrieve_futures``: nobody to report to), and with a warning when there is no
+        :mod:`shardserver.workers.journal`), whether or not the poller is announced (an SDK that
+        learned it from an earlier run keeps polling); ``(None, [])`` with a warning when there is no
         ``server.state_dir`` or it cannot be written; ``(None, records)`` with a warning when the
         old journals were read but the new one cannot be written (disk full): those futures are
         still reported. A journal file that cannot be read is skipped with a warning."""
-        if not tag or not cfg.futures.retrieve_futures:
+        if not tag:
             return None, []
         if not cfg.server.state_dir:
             log.warning("encoder %d: no server.state_dir: futures in flight when this encoder or the gateway restarts "

@@ -153,11 +153,12 @@ def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig, poller):
             assert metric_sum(m, "shardserver_http_requests_total", code="410", endpoint="retrieve_future") > 0
         else:
             assert metric_sum(m, "shardserver_http_requests_total", endpoint="retrieve_futures") == 0
+            # Not announced, but served (for SDKs that learned it from an earlier run).
             st, _, b = http_json(f"http://127.0.0.1:{port}/api/v1/retrieve_futures", method="POST",
-                                 body={"target": {"sampling_session_id": "x"}, "prev_cursor": 0},
+                                 body={"target": {"sampling_session_id": sampler._sampling_session_id},
+                                       "prev_cursor": 0, "timeout": 0},
                                  headers={"X-API-Key": API_KEY})
-            assert (st, json.loads(b)) == (404, {"error": "retrieve_futures is disabled on this server "
-                                                          "(futures.retrieve_futures = false)"})
+            assert st == 200 and set(json.loads(b)) == {"completions", "cursor"}
         assert second.proc.poll() is None
     finally:
         first.stop()
@@ -166,6 +167,50 @@ def test_sdk_keeps_sampling_across_a_restart(tmp_path, config, sig, poller):
     assert not first.leftover_processes and not second.leftover_processes
     assert any("signing IDs with the secret from" in line and "sessions survive restarts" in line
                for line in second.log_lines)
+
+
+@pytest.mark.sdk
+def test_an_sdk_polling_keeps_sampling_after_a_restart_with_the_poller_not_announced(tmp_path):
+    """SDK 0.38 reads /client/config once: a client that learned the poller keeps polling
+    ``retrieve_futures`` after the gateway restarts with ``futures.retrieve_futures = false``.
+    That run answered its polls 404, and every later sample failed (``TinkerError:
+    retrieve_futures polling failed``); the flag now only stops the announcement to new clients."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+    from tinker import types
+
+    port = _free_port()
+    env = {**_env(tmp_path), "SHARDSERVER_SIMULATOR__LATENCY_S": "0.05"}
+    first = RunningServer(env={**env, "SHARDSERVER_FUTURES__RETRIEVE_FUTURES": "true"},
+                          args=["--port", str(port)]).__enter__()
+    second = None
+    try:
+        service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=API_KEY)
+        sampler = service.create_sampling_client(base_model=BASE_MODEL).result(60)
+
+        def sample(i: int):
+            return sampler.sample(prompt=types.ModelInput.from_ints([900, i]), num_samples=1,
+                                  sampling_params=types.SamplingParams(max_tokens=12, seed=i, temperature=1.0))
+
+        for fut in [sample(i) for i in range(8)]:
+            fut.result(60)
+        assert sampler._futures_poller is not None
+        assert first.stop() == 0
+        second = RunningServer(env={**env, "SHARDSERVER_FUTURES__RETRIEVE_FUTURES": "false"},
+                               args=["--port", str(port)]).__enter__()
+        st, _, b = http_json(f"http://127.0.0.1:{port}/api/v1/client/config", {"sdk_version": "0.38.0"})
+        assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False})  # new clients are not told
+        futs = {i: sample(i) for i in range(8, 24)}
+        for i, fut in futs.items():
+            _check(fut.result(60), [900, i], i)
+        m = http_json(f"http://127.0.0.1:{port}/metrics")[2].decode()
+        assert metric_sum(m, "shardserver_http_requests_total", code="200", endpoint="retrieve_futures") > 0
+        assert metric_sum(m, "shardserver_http_requests_total", code="404", endpoint="retrieve_futures") == 0
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert not first.leftover_processes and not (second and second.leftover_processes)
 
 
 def test_old_runs_futures_answer_410_and_its_sessions_stay_valid(tmp_path):
