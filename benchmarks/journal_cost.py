@@ -36,6 +36,8 @@ from shardserver.workers.journal import FutureJournal, JournalRecord, journal_ta
 class _SilentEngine:
     """An engine that never answers: futures stay pending, so only the bookkeeping is timed."""
 
+    answer_bytes = 0  # EngineClient.answer_bytes: it holds no answer
+
     async def post(self, body: bytes, headers: dict[str, str], ids=None) -> bytes:
         await asyncio.sleep(3600)
         raise AssertionError("unreachable")

@@ -149,6 +149,12 @@ class EngineConfig:
     connect_timeout_s: float = 5.0
     # Connections to the engine per encoder.
     pool_size: int = 512
+    # Engine answers an encoder may hold received but not yet decoded (bytes; 0 = no bound
+    # besides pool_size). Beyond it a finished engine call is not replaced, so fewer calls run
+    # (never fewer than min(8, pool_size)); below it each finished call is replaced and one more
+    # may start, up to pool_size again. Bounds the answers that pile up when the engine answers
+    # faster than the encoder decodes (many answers finishing at once).
+    answer_budget_bytes: int = 64 * 1024 * 1024
     # Longest wait for one of the pool_size connections; then the future answers 410 (the request
     # never reached the engine) and the SDK resubmits it.
     pool_wait_s: float = 1800.0
@@ -188,6 +194,7 @@ class EngineConfig:
         _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
         _check(self.pool_size, "engine.pool_size", self.pool_size >= 1, "must be >= 1")
+        _check(self.answer_budget_bytes, "engine.answer_budget_bytes", self.answer_budget_bytes >= 0, "must be >= 0")
         _check(self.pool_wait_s, "engine.pool_wait_s", self.pool_wait_s > 0, "must be > 0")
         _check(self.pool_idle_s, "engine.pool_idle_s", self.pool_idle_s > 0, "must be > 0")
         _check(self.unavailable_budget_s, "engine.unavailable_budget_s", self.unavailable_budget_s > 0,

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import logging
 import random
@@ -66,6 +67,7 @@ import time
 from typing import Any, Callable, MutableMapping
 
 import aiohttp
+from aiohttp.client_proto import ResponseHandler
 
 from .config import EngineConfig, engine_base_url, mask_url, mask_urls_in
 from .errors import EngineError
@@ -169,28 +171,26 @@ async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
     ctx.trace_request_ctx.reused = True
 
 
-async def _read_body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole (decoded) body of ``resp``, read as it arrives and given up as soon as it passes
-    ``limit`` bytes, so a chunked body (no Content-Length) or a compressed one (whose
-    Content-Length is the compressed size) never makes the encoder hold more than ``limit``
-    bytes plus one read (aiohttp's ``read()`` collects everything first).
+class _CountingHandler(ResponseHandler):
+    """aiohttp's client protocol, also counting the bytes it received that no reader has
+    claimed yet (:meth:`EngineClient._receive` claims a response's bytes when it ends): engine
+    answers in this process's memory, whether a reader has started on them or not."""
 
-    Raises:
-        EngineError: (category server) the body passed ``limit`` bytes (``engine.max_body_bytes``).
-    """
-    content = resp.content
-    blocks: list[bytes] = []
-    total = 0
-    while True:
-        block = await content.readany()
-        if not block:
-            break
-        total += len(block)
-        if total > limit:
-            raise EngineError(f"engine body exceeds engine.max_body_bytes={limit} (stopped reading after "
-                              f"{total} bytes)", status=resp.status, category="server")
-        blocks.append(block)
-    return blocks[0] if len(blocks) == 1 else b"".join(blocks)
+    def __init__(self, loop: asyncio.AbstractEventLoop, owner: "EngineClient") -> None:
+        super().__init__(loop)
+        self._owner = owner
+        self.unclaimed = 0
+
+    def data_received(self, data: bytes) -> None:
+        n = len(data)
+        self.unclaimed += n
+        self._owner._add_unclaimed(n)
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._owner._add_unclaimed(-self.unclaimed)
+        self.unclaimed = 0
+        super().connection_lost(exc)
 
 
 class EngineClient:
@@ -215,6 +215,12 @@ class EngineClient:
         self._down_since: float | None = None
         self._down_reason = ""
         self._retrying = 0  # requests between their first failure and their final outcome
+        # Engine answers in this process (see answer_bytes): bytes the connections received that
+        # no reader claimed yet, and 2xx bodies post() returned that nobody release()d yet.
+        self._unclaimed = 0
+        self._returned = 0
+        self.answer_bytes_peak = 0  # the most answer_bytes ever held (bytes)
+        self._counting = False  # the pools' connections count what they receive (_CountingHandler)
         # Called at every engine answer (the encoder's EngineProbe.kick: a failed probe is re-run at once).
         self.on_answer: Callable[[], None] | None = None
 
@@ -230,10 +236,17 @@ class EngineClient:
         # aiohttp's default read buffer (64 KiB): a larger one cost more memory when many engine
         # answers arrive at once (measured with benchmarks/run_load.py --scenario queue-8k) and
         # saved no measurable CPU.
+        fresh = aiohttp.TCPConnector(limit=0, force_close=True)
+        # Count what every engine connection receives (aiohttp keeps its protocol factory in
+        # _factory; without it the bodies are counted as their reader takes them).
+        if all(hasattr(c, "_factory") for c in (conn, fresh)):
+            loop = asyncio.get_running_loop()
+            for c in (conn, fresh):
+                c._factory = functools.partial(_CountingHandler, loop, self)
+            self._counting = True
         self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=True,
                                               trace_configs=[trace])
-        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                                            timeout=timeout, auto_decompress=True)
+        self._fresh = aiohttp.ClientSession(connector=fresh, timeout=timeout, auto_decompress=True)
 
     async def close(self) -> None:
         """Close both pools (idempotent)."""
@@ -265,7 +278,9 @@ class EngineClient:
             self._down_since, self._down_reason = None, ""
 
     async def post(self, body: bytes, headers: dict[str, str], ids: AttemptIds | None = None) -> bytes:
-        """POST ``body`` (JSON bytes) until the engine answers it; return the 2xx response body bytes.
+        """POST ``body`` (JSON bytes) until the engine answers it; return the 2xx response body
+        bytes. They stay counted in :attr:`answer_bytes` until the caller passes their length to
+        :meth:`release`.
 
         ``ids`` gives each attempt its ``X-Request-Id``; without it none is added to ``headers``.
 
@@ -281,7 +296,8 @@ class EngineClient:
             if retrying[0]:
                 self._retrying -= 1
 
-    async def _post(self, body: bytes, hdrs: dict[str, str], ids: AttemptIds | None, retrying: list[bool]) -> bytes:
+    async def _post(self, body: bytes, hdrs: dict[str, str], ids: AttemptIds | None,
+                    retrying: list[bool]) -> bytes:
         """The attempt loop of :meth:`post`; sets ``retrying[0]`` (and counts the request in
         ``self._retrying``) at its first failure."""
         cfg = self.cfg
@@ -344,7 +360,8 @@ class EngineClient:
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
             session = self._session
 
-    async def _attempt(self, session: aiohttp.ClientSession, body: bytes, hdrs: dict[str, str]) -> tuple[int, bytes]:
+    async def _attempt(self, session: aiohttp.ClientSession, body: bytes,
+                       hdrs: dict[str, str]) -> tuple[int, bytes]:
         """One attempt on one connection: (status, body bytes), or raises _Broken / EngineError."""
         cfg = self.cfg
         trace = _TraceCtx()
@@ -358,7 +375,8 @@ class EngineClient:
                         if resp.content_length is not None and resp.content_length > limit:
                             raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
                                               f"engine.max_body_bytes={limit}", status=resp.status, category="server")
-                        return resp.status, await _read_body(resp, limit)
+                        # 2xx bodies stay counted until the caller's release(); error bodies are read here only
+                        return resp.status, await self._receive(resp, limit, keep=resp.status < 400)
                 except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
                     raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
                                   no_response=True, reused=False) from None
@@ -377,3 +395,60 @@ class EngineClient:
                 raise
             raise EngineError(f"engine timed out after {cfg.timeout_s} s (engine.timeout_s)",
                               status=None, category="server") from None
+
+    @property
+    def answer_bytes(self) -> int:
+        """Bytes of engine answers this process holds: received by the engine connections and
+        not claimed by a finished read yet (in aiohttp's buffers or a body being read), plus the
+        2xx bodies :meth:`post` returned that the caller has not :meth:`release`d."""
+        return self._unclaimed + self._returned
+
+    def _add_unclaimed(self, n: int) -> None:
+        self._unclaimed += n
+        if n > 0 and self._unclaimed + self._returned > self.answer_bytes_peak:
+            self.answer_bytes_peak = self._unclaimed + self._returned
+
+    async def _receive(self, resp: aiohttp.ClientResponse, limit: int, keep: bool) -> bytes:
+        """The whole (decoded) body, read as it arrives, given up as soon as it passes ``limit``
+        bytes (so a chunked body, or a compressed one whose Content-Length is the compressed size,
+        never makes the encoder hold more than ``limit`` plus one read), and joined once complete.
+        When it ends (complete or not) the bytes its connection received for it leave the unclaimed count;
+        with ``keep`` (a 2xx body for the caller) its length counts as returned until
+        :meth:`release`.
+
+        Raises:
+            EngineError: the body passes ``limit`` bytes (``engine.max_body_bytes``).
+            aiohttp.ClientPayloadError: the connection ended before the body did.
+        """
+        content = resp.content
+        proto = getattr(resp, "_protocol", None)
+        counted = self._counting and isinstance(proto, _CountingHandler)
+        chunks: list[bytes] = []
+        got = 0
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                got += len(chunk)
+                if not counted:
+                    self._add_unclaimed(len(chunk))
+                if got > limit:
+                    raise EngineError(f"engine body exceeds engine.max_body_bytes={limit} (stopped reading after "
+                                      f"{got} bytes)", status=resp.status, category="server")
+                chunks.append(chunk)
+        finally:
+            if counted:  # headers and body: no next response on this connection before our next request
+                self._add_unclaimed(-proto.unclaimed)
+                proto.unclaimed = 0
+            else:
+                self._add_unclaimed(-got)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if keep:
+            self._returned += len(data)
+        return data
+
+    def release(self, nbytes: int) -> None:
+        """The caller is done with a 2xx body of ``nbytes`` bytes that :meth:`post` returned:
+        it no longer counts in :attr:`answer_bytes`."""
+        self._returned -= nbytes

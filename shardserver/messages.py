@@ -316,8 +316,11 @@ class StatsReply(_Message, kw_only=True, omit_defaults=False):
         stages: futures by stage for the ``shardserver_futures`` gauge.
         engine: the last engine probe, None when this encoder does not probe.
         pending_request_bytes: engine request bodies held by pending futures (bytes).
-        engine_calls: engine requests in flight (at most ``engine.pool_size``).
+        engine_calls: engine requests in flight (at most ``engine_call_limit``).
+        engine_call_limit: how many may run now: ``engine.pool_size``, less while the engine
+            answers held undecoded pass ``engine.answer_budget_bytes``.
         engine_queued: pending futures waiting for an engine connection.
+        engine_answer_bytes: engine answers received (or being received) and not yet decoded (bytes).
         engine_unavailable: the engine outage its engine calls are riding out, None when the
             engine answers.
     """
@@ -335,7 +338,9 @@ class StatsReply(_Message, kw_only=True, omit_defaults=False):
     engine: EngineReachability | None
     pending_request_bytes: int = 0
     engine_calls: int = 0
+    engine_call_limit: int = 0
     engine_queued: int = 0
+    engine_answer_bytes: int = 0
     engine_unavailable: EngineOutage | None = None
 
 

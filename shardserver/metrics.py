@@ -420,6 +420,12 @@ class ShardGaugeCollector:
         calls = GaugeMetricFamily("shardserver_engine_calls",
                                   "The shard's pending futures: running (an engine request in flight) or queued "
                                   "(waiting for one of engine.pool_size connections).", labels=["shard", "state"])
+        answers = GaugeMetricFamily("shardserver_engine_answer_bytes",
+                                    "Engine answers the encoder holds: received and not yet decoded (bytes).",
+                                    labels=["shard"])
+        limit = GaugeMetricFamily("shardserver_engine_call_limit",
+                                  "Engine calls the encoder may run now: engine.pool_size, less while its held "
+                                  "engine answers pass engine.answer_budget_bytes.", labels=["shard"])
         for r in self.replies:
             s = str(r.get("shard", "?"))
             ok = "error" not in r
@@ -442,7 +448,9 @@ class ShardGaugeCollector:
             req_bytes.add_metric([s], float(r.get("pending_request_bytes", 0)))
             calls.add_metric([s, "running"], float(r.get("engine_calls", 0)))
             calls.add_metric([s, "queued"], float(r.get("engine_queued", 0)))
-        return [up, engine, outage, futures, size, used, reserved, free, req_bytes, calls]
+            answers.add_metric([s], float(r.get("engine_answer_bytes", 0)))
+            limit.add_metric([s], float(r.get("engine_call_limit", 0)))
+        return [up, engine, outage, futures, size, used, reserved, free, req_bytes, calls, answers, limit]
 
 
 def render(shard_replies: list[dict[str, Any]]) -> bytes:

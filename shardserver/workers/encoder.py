@@ -154,6 +154,14 @@ HEAP_SLACK = 4096
 # (tinker 0.38 ``SamplingClient._request_id_counter``; FuturesRetrieveRequest's target docstring).
 CLONE_SEQ_SPAN = 1_000_000_000
 
+# The fewest engine calls engine.answer_budget_bytes can leave running (or engine.pool_size if smaller).
+MIN_ENGINE_CALLS = 8
+# Under the budget the limit of engine calls grows by one per this many finished calls. A new
+# call's answer comes one engine latency later, so growing by one per finished call (doubling
+# per latency) overshot: with 5 s engine queueing the limit was back at engine.pool_size, and
+# the answers over the budget again, within one latency of being cut.
+LIMIT_GROW_EVERY = 4
+
 
 @dataclass(slots=True)
 class OwnerUsage:
@@ -222,6 +230,13 @@ class EncoderCore:
         # other pending futures wait in ``engine_queue`` holding only their FutureEntry and job.
         self.max_engine_calls = cfg.engine.pool_size
         self.engine_calls = 0
+        # engine.answer_budget_bytes: while the engine answers received and not yet decoded
+        # (EngineClient.answer_bytes) pass it, finished calls are not replaced (the limit shrinks
+        # by one each); below it each finished call is replaced and the limit grows by one.
+        self.answer_budget = cfg.engine.answer_budget_bytes
+        self.min_engine_calls = min(MIN_ENGINE_CALLS, self.max_engine_calls)
+        self.engine_call_limit = self.max_engine_calls
+        self._grow_credit = 0  # calls finished under the budget since the limit last grew
         self.engine_queue: collections.deque[FutureEntry] = collections.deque()
         self._queue_stale = 0  # entries in engine_queue that left the pending state meanwhile
         self.pending_request_bytes = 0  # engine request bodies held by pending futures
@@ -583,13 +598,33 @@ class EncoderCore:
                 f"{sc.max_pending_request_bytes}; retry later"))
         return None
 
+    def _call_finished(self) -> None:
+        """An engine call ended (its answer decoded, or it failed): adjust the limit of calls
+        in flight to ``engine.answer_budget_bytes`` (see ``engine_call_limit``), then start
+        queued calls."""
+        self.engine_calls -= 1
+        if self.answer_budget:
+            held = self.engine.answer_bytes
+            if held > self.answer_budget:
+                if self.engine_call_limit > self.min_engine_calls:
+                    self.engine_call_limit -= 1
+                    self.counters["engine_calls_held_back"] += 1
+                self._grow_credit = 0
+            elif self.engine_call_limit < self.max_engine_calls:
+                self._grow_credit += 1
+                if self._grow_credit >= LIMIT_GROW_EVERY:
+                    self._grow_credit = 0
+                    self.engine_call_limit += 1
+        self._start_engine_calls()
+
     def _start_engine_calls(self) -> None:
-        """Start queued engine calls while fewer than ``engine.pool_size`` run. A future that
+        """Start queued engine calls while fewer than ``engine_call_limit`` (at most
+        ``engine.pool_size``, see :meth:`_call_finished`) run. A future that
         waited longer than ``engine.pool_wait_s`` for its turn is not sent: it answers 410 (never
         a failure: the engine never saw it) and the SDK resubmits it."""
         q = self.engine_queue
         pool_wait_s = self.cfg.engine.pool_wait_s
-        while q and self.engine_calls < self.max_engine_calls and not self._closed:
+        while q and self.engine_calls < self.engine_call_limit and not self._closed:
             e = q.popleft()
             if e.job is None:  # left the pending state while queued (TTL, close)
                 self._queue_stale -= 1
@@ -631,6 +666,8 @@ class EncoderCore:
                 except EngineBodyError as exc:
                     self._fail(e, str(exc), "server")
                     return
+                finally:
+                    self.engine.release(len(data))
                 del data
                 if dc.aborted:
                     aborts += 1
@@ -667,8 +704,7 @@ class EncoderCore:
             self._fail(e, f"internal error: {exc}", "server")
         finally:
             self._release_body(e)
-            self.engine_calls -= 1
-            self._start_engine_calls()
+            self._call_finished()
 
     def _store(self, e: FutureEntry, dc) -> None:
         size = sample_response_size(dc)
@@ -920,7 +956,9 @@ class EncoderCore:
             engine=self.engine_probe.state() if self.engine_probe is not None else None,
             pending_request_bytes=self.pending_request_bytes,
             engine_calls=self.engine_calls,
+            engine_call_limit=self.engine_call_limit,
             engine_queued=len(self.engine_queue) - self._queue_stale,
+            engine_answer_bytes=getattr(self.engine, "answer_bytes", 0),
             # An ongoing outage seen by the engine calls themselves (None: the engine answers).
             engine_unavailable=getattr(self.engine, "unavailable", lambda: None)(),
         )
@@ -1056,10 +1094,17 @@ class EncoderProc:
         log.info("encoder %d ready: arena %s (%d bytes), engine %s", shard, arena_name, arena.size,
                  mask_url(engine_url))
 
+        from .heap import HeapTrimmer
+
+        trimmer = HeapTrimmer()
+
         async def sweeper() -> None:
             while True:
                 await asyncio.sleep(cfg.futures.sweep_interval_s)
                 core.sweep()
+                # Engine answers freed after a burst stay in glibc's heap: give them back.
+                if trimmer.maybe_trim():
+                    core.counters["heap_trims"] += 1
 
         from ..process import watch_parent
 

@@ -8,6 +8,8 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
 ``POST /_fake/config``):
 
 * ``delay_s``: wait this long before answering each completion.
+* ``gather``: hold 200 completions (rendered) until this many are waiting, then send them all
+  at once (a batch of samples that finish together); 0: off.
 * ``reset_reused``: answer one completion per connection (keep-alive); when the next request
   arrives on that connection, read it and reset the connection (RST, no response byte).
 * ``idle_close_s``: close (FIN) a keep-alive connection idle this long (uvicorn: 5 s).
@@ -61,7 +63,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 DEFAULTS: dict[str, Any] = {
-    "delay_s": 0.0, "reset_reused": False, "idle_close_s": 0.0, "drop_before_response": 0, "drop_how": "close",
+    "delay_s": 0.0, "gather": 0, "reset_reused": False, "idle_close_s": 0.0, "drop_before_response": 0,
+    "drop_how": "close",
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
     "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "script": None, "pad_bytes": 0, "pad_how": "chunked",
 }
@@ -135,6 +138,7 @@ class _Server:
         self.set_config(config)
         self.log: list[dict[str, Any]] = []
         self.conns = 0
+        self.gathered: list[asyncio.Event] = []  # completions held by ``gather``
 
     def set_config(self, patch: dict[str, Any]) -> None:
         unknown = set(patch) - set(DEFAULTS)
@@ -142,6 +146,11 @@ class _Server:
             raise ValueError(f"unknown fake-engine settings: {sorted(unknown)}")
         self.cfg.update(patch)
         self.status_since: float | None = None
+        held = getattr(self, "gathered", [])
+        if held and len(held) >= max(1, self.cfg["gather"]):  # gathering lifted or lowered: answer those held
+            for ev in held:
+                ev.set()
+            self.gathered = []
 
     def _status_now(self) -> int | None:
         st = self.cfg["status"]
@@ -284,8 +293,21 @@ class _Server:
             pad, cfg["pad_bytes"] = cfg["pad_bytes"], 0
             entry["action"] = "pad"
             return await self.send_padded(writer, body, pad, cfg["pad_how"])
+        await self.gather()
         await self.send(writer, 200, body)
         return True
+
+    async def gather(self) -> None:
+        """With ``gather``: wait (body rendered) until that many completions wait, then all go."""
+        if self.cfg["gather"] <= 0:
+            return
+        go = asyncio.Event()
+        self.gathered.append(go)
+        if len(self.gathered) >= self.cfg["gather"]:
+            for ev in self.gathered:
+                ev.set()
+            self.gathered = []
+        await go.wait()
 
     @staticmethod
     async def send_padded(writer: asyncio.StreamWriter, body: bytes, pad: int, how: str) -> bool:

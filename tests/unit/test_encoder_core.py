@@ -41,12 +41,18 @@ class SimEngine:
     def __init__(self) -> None:
         self.calls = 0
         self.gate: asyncio.Event | None = None
+        self.answer_bytes = 0  # answers returned and not yet released (EngineClient.answer_bytes)
 
     async def post(self, body: bytes, headers: dict[str, str], ids=None) -> bytes:
         self.calls += 1
         if self.gate is not None:
             await self.gate.wait()
-        return render_completion(json.loads(body), SIM)
+        data = render_completion(json.loads(body), SIM)
+        self.answer_bytes += len(data)
+        return data
+
+    def release(self, nbytes: int) -> None:
+        self.answer_bytes -= nbytes
 
 
 @pytest.fixture
@@ -418,3 +424,79 @@ def test_pending_ttl_makes_the_future_gone_and_reports_it(core):
         _check_stages(core)
 
     asyncio.run(go())
+
+
+class StepEngine(SimEngine):
+    """SimEngine whose calls finish one per permit the test grants (``answer(k)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits = asyncio.Semaphore(0)
+
+    async def post(self, body: bytes, headers: dict[str, str], ids=None) -> bytes:
+        self.calls += 1
+        await self.permits.acquire()
+        data = render_completion(json.loads(body), SIM)
+        self.answer_bytes += len(data)
+        return data
+
+    async def answer(self, k: int) -> None:
+        for _ in range(k):
+            self.permits.release()
+        for _ in range(20):  # let the k calls finish and their replacements start
+            await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 0])
+def test_answers_held_over_the_budget_are_not_replaced_by_new_engine_calls(budget):
+    """engine.answer_budget_bytes: while the engine answers held undecoded pass the budget, a
+    finished engine call is not replaced (the limit shrinks by one); back under it, each finished
+    call is replaced and the limit grows by one per LIMIT_GROW_EVERY (4) of them. 0: off."""
+    from shardserver.workers.encoder import LIMIT_GROW_EVERY
+
+    assert LIMIT_GROW_EVERY == 4
+    name = segment_name(os.getpid(), "c0ffee02", random.randrange(10**6), 0)
+    create_segment(name, 4 << 20)
+    arena = ArenaWriter(name)
+    cfg = config_from_mapping({"shards": {"count": 1}, "engine": {"pool_size": 16, "answer_budget_bytes": budget}},
+                              env={})
+    engine = StepEngine()
+    core = EncoderCore(cfg, 0, arena, engine, IdSigner(b"k", "0badcafe"))
+
+    async def go():
+        rids = [core.submit(*_meta(i, 100)).request_id for i in range(40)]
+        await asyncio.sleep(0)
+        assert engine.calls == 16 and core.engine_calls == 16 and core.engine_call_limit == 16
+        engine.answer_bytes += 2 << 20  # 2 MiB of other answers still being received
+        await engine.answer(4)
+        if budget:
+            # 4 calls finished over the budget: none replaced, the limit is 12.
+            assert (engine.calls, core.engine_calls, core.engine_call_limit) == (16, 12, 12)
+            assert core.counters["engine_calls_held_back"] == 4
+        else:
+            assert (engine.calls, core.engine_calls, core.engine_call_limit) == (20, 16, 16)
+        engine.answer_bytes -= 2 << 20  # those answers were decoded
+        await engine.answer(4)
+        if budget:
+            # Under the budget: each finished call replaced, and one more after the 4th.
+            assert (engine.calls, core.engine_calls, core.engine_call_limit) == (21, 13, 13)
+            st = core.stats()
+            assert (st.engine_call_limit, st.engine_calls, st.engine_answer_bytes) == (13, 13, 0)
+        else:
+            assert (engine.calls, core.engine_calls, core.engine_call_limit) == (24, 16, 16)
+        # Never below min(8, pool_size): 2 MiB held again while every call finishes.
+        engine.answer_bytes += 2 << 20
+        await engine.answer(40)
+        assert core.engine_call_limit == (8 if budget else 16)
+        engine.answer_bytes -= 2 << 20
+        await engine.answer(40)
+        assert [core.table[r].state for r in rids] == ["done"] * 40
+        assert engine.answer_bytes == 0 and core.engine_calls == 0
+        assert core.counters.get("engine_calls_held_back", 0) == (4 + 5 if budget else 0)
+
+    try:
+        asyncio.run(go())
+    finally:
+        core.close()
+        arena.close()
+        unlink_segment(name)

@@ -165,6 +165,8 @@ def test_take_over_waits_for_the_old_holder_then_sees_its_last_records(tmp_path)
 class _Engine:
     """An engine that never answers (futures stay pending)."""
 
+    answer_bytes = 0  # EngineClient.answer_bytes: it holds no answer
+
     async def post(self, body: bytes, headers: dict[str, str], ids=None) -> bytes:
         await asyncio.sleep(3600)
         raise AssertionError("unreachable")

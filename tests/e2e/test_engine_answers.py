@@ -1,0 +1,100 @@
+"""Engine answers an encoder holds (issue 12, item 5): every answer counts in
+``engine_answer_bytes`` from its headers until it is decoded, whatever its outcome, and while
+they pass ``engine.answer_budget_bytes`` finished engine calls are not replaced
+(``engine_call_limit`` shrinks), so a burst of answers is not followed by another as large.
+
+Real gateways and real engine processes on 127.0.0.1: ``fake_engine.FakeEngine`` (cuts a body,
+answers 400), and the embedded simulator holding every request for the same time so that the
+answers of all running calls arrive together. Results are checked token for token. What this
+saves in memory is measured by ``benchmarks/run_load.py --scenario soak-131k`` (README_load.md).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import Api
+from fake_engine import FakeEngine
+from shardserver.testing import RunningServer
+from test_engine_faults import assert_result, counters, gateway, retrieve, submit
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _shard(s: RunningServer) -> dict:
+    (sh,) = s.stats()["shards"]
+    return sh
+
+
+def test_answer_bytes_are_counted_until_decoded_and_released_after_every_outcome():
+    with FakeEngine() as eng, gateway(eng.url, pool_size=64) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        sh = _shard(s)
+        assert (sh["engine_answer_bytes"], sh["engine_call_limit"]) == (0, 64)
+        rid, prompt = submit(api, ssid, 101, 1)
+        assert_result(*retrieve(api, rid), prompt, 1)
+        assert _shard(s)["engine_answer_bytes"] == 0
+        eng.configure(truncate=1)  # half the body, then FIN: re-forwarded, the cut half released
+        rid, prompt = submit(api, ssid, 102, 2)
+        assert_result(*retrieve(api, rid), prompt, 2)
+        assert _shard(s)["engine_answer_bytes"] == 0
+        eng.configure(status=400)  # an error body: read, reported, released
+        rid, _ = submit(api, ssid, 103, 3)
+        st, _, body = retrieve(api, rid)
+        assert st == 200 and json.loads(body)["category"] == "user"
+        sh = _shard(s)
+        assert (sh["engine_answer_bytes"], sh["engine_call_limit"]) == (0, 64)
+        c = counters(s)
+        assert c["completed"] == 2 and c["failed_user"] == 1 and "engine_calls_held_back" not in c
+
+
+def test_answers_over_the_budget_hold_back_engine_calls():
+    """The engine answers 64 calls at once (its ``gather``: a batch that finishes together),
+    ~160 KB each: 10 MB against a 1 MiB budget. The calls that finish while the others' answers
+    are held are not replaced, so the next batch cannot gather 64 while they are decoded;
+    every sample still completes exactly and nothing stays counted."""
+    n, tokens = 128, 2000
+    with FakeEngine(gather=64) as eng, gateway(eng.url, pool_size=64, answer_budget_bytes=1 << 20,
+                                                 timeout_s=60) as s:
+        sh = _shard(s)
+        assert (sh["engine_call_limit"], sh["engine_answer_bytes"]) == (64, 0)
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        with ThreadPoolExecutor(16) as pool:
+            first = list(pool.map(lambda i: submit_n(api, ssid, i, tokens), range(64)))
+            results = list(pool.map(lambda r: retrieve(api, r[0]), first))  # one batch of 64 answers
+            sh = _shard(s)
+            assert sh["counters"]["engine_calls_held_back"] >= 1, sh
+            assert 8 <= sh["engine_call_limit"] < 64, sh
+            # The next 64 run at most engine_call_limit at a time (the engine now answers each at once).
+            eng.configure(gather=0)
+            rest = list(pool.map(lambda i: submit_n(api, ssid, i, tokens), range(64, n)))
+            results += list(pool.map(lambda r: retrieve(api, r[0]), rest))
+        for (rid, prompt, seed), res in zip(first + rest, results):
+            assert_result_n(*res, prompt, seed, tokens)
+        sh = _shard(s)
+        assert sh["counters"]["completed"] == n and sh["engine_answer_bytes"] == 0 and sh["engine_calls"] == 0, sh
+
+
+def submit_n(api: Api, ssid: str, seq: int, tokens: int) -> tuple[str, list[int], int]:
+    prompt = [200, seq % 1000, 7]
+    return api.submit(ssid, prompt, seq_id=seq, max_tokens=tokens, seed=seq), prompt, seq
+
+
+def assert_result_n(st: int, h: dict, body: bytes, prompt: list[int], seed: int, tokens: int) -> None:
+    """A 200 protobuf SampleResponse equal, token for token, to the simulator's answer."""
+    import numpy as np
+    from tinker.proto import tinker_public_pb2
+
+    from conftest import engine_body, expected_sequences
+
+    assert st == 200 and h["content-type"] == "application/x-protobuf", (st, body[:300])
+    m = tinker_public_pb2.SampleResponse()
+    m.ParseFromString(body)
+    want = expected_sequences(engine_body(prompt, 1, tokens, seed))[0]
+    assert np.frombuffer(m.sequences[0].tokens, dtype="<i4").tolist() == want["tokens"]
+    assert np.array_equal(np.frombuffer(m.sequences[0].logprobs, dtype="<f4"), want["logprobs"])
