@@ -154,7 +154,7 @@ class EngineConfig:
     # (never fewer than min(8, pool_size)); below it each finished call is replaced and one more
     # may start, up to pool_size again. Bounds the answers that pile up when the engine answers
     # faster than the encoder decodes (many answers finishing at once).
-    answer_budget_bytes: int = 64 * 1024 * 1024
+    answer_budget_bytes: int = 256 * 1024 * 1024
     # Longest wait for one of the pool_size connections; then the future answers 410 (the request
     # never reached the engine) and the SDK resubmits it.
     pool_wait_s: float = 1800.0

@@ -84,6 +84,7 @@ ALIGN = 64
 _HDR = struct.Struct("<QQ")
 _SB = struct.Struct("<8sQ")
 _GEN = struct.Struct("<Q")
+_PAGE = mmap.PAGESIZE
 _NAME_RE = re.compile(r"^shardserver-(\d+)-([0-9a-f]{8})-a(\d+)\.(\d+)$")
 
 
@@ -242,6 +243,8 @@ class ArenaWriter:
         self._gen = 0
         self.used_bytes = 0
         self.live_slots = 0
+        self.released_bytes = 0  # bytes of pages punched out by free() (MADV_REMOVE), in total
+        self._punch = hasattr(mmap, "MADV_REMOVE")
 
     # -- accounting ---------------------------------------------------------------------
     @property
@@ -311,11 +314,38 @@ class ArenaWriter:
         return slot
 
     def free(self, slot: Slot) -> None:
-        """Invalidate the slot for readers and return its space to the free list."""
+        """Invalidate the slot for readers and return its space to the free list; the memory
+        pages it leaves entirely free go back to the kernel (see :meth:`_release_pages`)."""
         struct.pack_into("<Q", self._mm, slot.offset, 0)
         slot.generation = 0
         self.live_slots -= 1
-        self._give_back(slot.offset, slot.capacity)
+        start, end = self._give_back(slot.offset, slot.capacity)
+        self._release_pages(slot.offset, slot.offset + slot.capacity, start, end)
+
+    def _release_pages(self, lo: int, hi: int, start: int, end: int) -> None:
+        """Punch out of the segment (``MADV_REMOVE``: tmpfs frees them, in every process that
+        maps them) the whole pages of ``[lo, hi)`` (a freed slot) that lie inside the free block
+        ``[start, end)``. tmpfs keeps every page ever written until the segment is unlinked: with
+        results written all over the reservations of many pending requests, the pages resident
+        grew with the arena bytes ever reserved rather than those in use (soak-131k poller: 6.4
+        GiB of PSS for 271 MiB of results). A reader that meets such a page reads zeros: the
+        slot's generation is 0, which it treats as freed. Counted in :attr:`released_bytes`."""
+        if not self._punch:
+            return
+        p = _PAGE
+        a = lo // p * p
+        if a < start:
+            a += p
+        b = -(-hi // p) * p
+        if b > end:
+            b -= p
+        if b > a:
+            try:
+                self._mm.madvise(mmap.MADV_REMOVE, a, b - a)
+            except OSError:  # not tmpfs (a test's plain file) or not supported: keep the pages
+                self._punch = False
+                return
+            self.released_bytes += b - a
 
     def shrink(self, slot: Slot, payload: int) -> None:
         """Keep only room for ``payload`` bytes in a reserved (not yet committed) slot; the tail
@@ -329,7 +359,9 @@ class ArenaWriter:
             self._give_back(slot.offset + keep, slot.capacity - keep)
             slot.capacity = keep
 
-    def _give_back(self, off: int, size: int) -> None:
+    def _give_back(self, off: int, size: int) -> tuple[int, int]:
+        """Return ``[off, off + size)`` to the free list; the free block it is now part of
+        (``(start, end)`` offsets, after coalescing with its neighbours)."""
         self.used_bytes -= size
         offs = self._free_offs
         i = bisect.bisect_left(offs, off)
@@ -339,10 +371,12 @@ class ArenaWriter:
             del offs[i]
         # Coalesce with the preceding block.
         if i > 0 and offs[i - 1] + self._free_size[offs[i - 1]] == off:
-            self._free_size[offs[i - 1]] += size
-        else:
-            offs.insert(i, off)
-            self._free_size[off] = size
+            off = offs[i - 1]
+            self._free_size[off] += size
+            return off, off + self._free_size[off]
+        offs.insert(i, off)
+        self._free_size[off] = size
+        return off, off + size
 
     def read(self, slot: Slot) -> bytes:
         """Copy of a committed slot's payload (writer side, e.g. to derive JSON)."""

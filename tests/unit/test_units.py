@@ -233,6 +233,38 @@ def test_arena_packs_slots_low_so_the_pages_written_follow_the_peak_in_use(arena
     assert highest <= 2 * peak, (highest, peak)
 
 
+def test_arena_free_gives_the_pages_of_a_freed_slot_back_to_tmpfs(arena):
+    """tmpfs keeps every page ever written: a freed slot's whole pages are punched out
+    (MADV_REMOVE), so the segment's resident pages follow the results in use, not every byte
+    ever reserved and written (soak-131k poller: 6.4 GiB of PSS for 271 MiB of results). Pages
+    shared with a live neighbour stay; readers of a punched slot see generation 0 (freed)."""
+    w, r = arena
+    path = os.path.join("/dev/shm", w.name)
+    resident = lambda: os.stat(path).st_blocks * 512  # noqa: E731 - bytes tmpfs holds for the segment
+    base = resident()
+    slots = [w.write(bytes([i + 1]) * 200_000) for i in range(4)]  # 4 x ~200 KB, contiguous from offset 64
+    assert all(s is not None for s in slots)
+    written = resident() - base
+    end = slots[3].offset + 16 + 200_000  # the last byte written; page 0 (superblock) was resident before
+    assert written == (-(-end // 4096) - 1) * 4096
+    gen1 = slots[1].generation
+    w.free(slots[1])  # both neighbours live: only the pages wholly inside it go
+    cap = slots[1].capacity
+    lo, hi = slots[1].offset, slots[1].offset + cap
+    inner = (hi // 4096 - -(-lo // 4096)) * 4096
+    assert w.released_bytes == inner and resident() == base + written - inner
+    with pytest.raises(SlotInvalidError):
+        r.read(lo, slots[1].length, gen1)
+    w.free(slots[2])  # coalesces with the free slot 1: the page they shared goes too
+    lo2 = -(-slots[1].offset // 4096) * 4096
+    hi2 = slots[3].offset // 4096 * 4096
+    assert w.released_bytes == hi2 - lo2 and resident() == base + written - (hi2 - lo2)
+    assert r.read(slots[0].offset, 200_000, slots[0].generation) == b"\x01" * 200_000
+    assert r.read(slots[3].offset, 200_000, slots[3].generation) == b"\x04" * 200_000
+    s = w.write(b"\x09" * 300_000)  # the punched range is reused like any free space
+    assert s.offset == slots[1].offset and r.read(s.offset, 300_000, s.generation) == b"\x09" * 300_000
+
+
 def test_arena_random_reuse_keeps_every_checksum(arena):
     """Seeded random alloc/free churn: every live slot always reads back its own bytes."""
     w, r = arena
