@@ -33,7 +33,7 @@ futures it owes a report for in ``server.state_dir``
 (:mod:`shardserver.workers.journal`), and the next encoder of the shard reports them as failed
 (stamped at its start, so after any cursor of the earlier run); ``retrieve_future`` answers 410
 and the SDK resubmits. Without a ``state_dir`` no journal is kept and such a future is never
-reported, so the supervisor turns the poller off for a run that cannot keep journals. An encoder
+reported, so the supervisor does not announce the poller in a run that cannot keep journals. An encoder
 that is shutting down refuses new SUBMITs (503, the SDK retries): a future it accepted then
 would be neither answered nor journaled.
 

@@ -235,8 +235,8 @@ class Supervisor:
                 # A poller-mode SDK learns of a future only from the server: without journals the
                 # futures in flight at a restart would never be reported and their samples would
                 # wait forever. Per-request polling gets 410 for them and resubmits.
-                log.warning("futures.retrieve_futures is off for this run: the futures journals cannot be kept "
-                            "(%s); SDKs poll each sample with retrieve_future instead of the session-wide poller. "
+                log.warning("the session-wide poller is not announced this run (futures.retrieve_futures): the "
+                            "futures journals cannot be kept (%s); new SDKs poll each sample with retrieve_future. "
                             "Set server.state_dir to a writable directory", problem)
                 self.cfg = cfg = dataclasses.replace(
                     cfg, futures=dataclasses.replace(cfg.futures, retrieve_futures=False))

@@ -222,18 +222,18 @@ def test_poller_is_turned_off_for_the_run_when_its_journals_cannot_be_kept(tmp_p
                                                                   "prev_cursor": 0})
         # Not announced; still served (this session is unknown, not the endpoint).
         assert (st, json.loads(b)["error"][:32]) == (404, "unknown sampling_session_id (ses")
-    warned = [line for line in s.log_lines if "futures.retrieve_futures is off for this run" in line]
+    warned = [line for line in s.log_lines if "the session-wide poller is not announced" in line]
     assert len(warned) == 1, s.log_lines
-    assert (f"WARNING shardserver.supervisor[{s.proc.pid}]: futures.retrieve_futures is off for this run: the "
-            f"futures journals cannot be kept (cannot create {state}/futures: File exists); SDKs poll each "
-            f"sample with retrieve_future instead of the session-wide poller. Set server.state_dir to a "
-            f"writable directory") in warned[0]
+    assert (f"WARNING shardserver.supervisor[{s.proc.pid}]: the session-wide poller is not announced this run "
+            f"(futures.retrieve_futures): the futures journals cannot be kept (cannot create {state}/futures: File "
+            f"exists); new SDKs poll each sample with retrieve_future. Set server.state_dir to a writable "
+            f"directory") in warned[0]
     # The same state directory with a real futures directory: the poller is announced.
     (state / "futures").unlink()
     with RunningServer(env=env) as s:
         st, _, b = http_json(s.url + "/api/v1/client/config", {"sdk_version": "0.38.0"})
         assert (st, json.loads(b)) == (200, {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": True})
-    assert not any("futures.retrieve_futures is off" in line for line in s.log_lines)
+    assert not any("poller is not announced" in line for line in s.log_lines)
 
 
 def test_pending_ttl_below_the_engine_timeout_is_logged_with_both_numbers():
