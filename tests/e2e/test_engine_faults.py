@@ -205,25 +205,35 @@ def test_connection_closed_or_reset_before_the_response_or_cut_mid_body_is_refor
         assert [e["action"] for e in completions(eng)][8:] == ["ok"] and counters(s)["engine_reforwards"] == 4
 
 
+def _each_status_is_reforwarded_until_answered(eng: FakeEngine, s: RunningServer, first_token: int,
+                                               cases: list[tuple[int, str]]) -> tuple[Api, str]:
+    """For each ``(status, body kind)``: the engine answers it for 1.8 s, then a completion; one
+    sample must complete with the right result after at least 1.8 s, every attempt before the
+    last having met the status (at least 4 attempts). Checks the re-forward count and that no
+    sample failed; returns the ``(Api, sampling_session_id)`` used."""
+    api = Api(s.url)
+    ssid = api.sampling_session()
+    seen = 0
+    for i, (status, body) in enumerate(cases):
+        eng.configure(status=status, status_body=body, status_for_s=1.8)
+        t0 = time.monotonic()
+        rid, prompt = submit(api, ssid, first_token, i)
+        assert_result(*retrieve(api, rid), prompt, i)
+        assert time.monotonic() - t0 >= 1.8
+        acts = [e["action"] for e in completions(eng)][seen:]
+        seen += len(acts)
+        assert acts[-1] == "ok" and set(acts[:-1]) == {"status"} and len(acts) >= 4, (status, body, acts)
+    c = counters(s)
+    assert c["engine_reforwards"] == seen - len(cases) and "failed_server" not in c
+    return api, ssid
+
+
 def test_never_ran_statuses_are_reforwarded_while_they_last():
     """408/429/503 (a router's queue, vLLM admission control) for 1.5 s, then answers: each sample
     completes. Before, each answered 410 after engine.connect_retries (1.5 s of backoff)."""
-    cases = [(503, "vllm"), (429, "empty"), (408, "empty"), (503, "router")]
     with FakeEngine() as eng, gateway(eng.url) as s:
-        api = Api(s.url)
-        ssid = api.sampling_session()
-        seen = 0
-        for i, (status, body) in enumerate(cases):
-            eng.configure(status=status, status_body=body, status_for_s=1.8)
-            t0 = time.monotonic()
-            rid, prompt = submit(api, ssid, 105, i)
-            assert_result(*retrieve(api, rid), prompt, i)
-            assert time.monotonic() - t0 >= 1.8
-            acts = [e["action"] for e in completions(eng)][seen:]
-            seen += len(acts)
-            assert acts[-1] == "ok" and set(acts[:-1]) == {"status"} and len(acts) >= 4, (status, acts)
-        c = counters(s)
-        assert c["engine_reforwards"] == seen - len(cases) and "failed_server" not in c
+        _each_status_is_reforwarded_until_answered(eng, s, 105, [(503, "vllm"), (429, "empty"), (408, "empty"),
+                                                               (503, "router")])
 
 
 def test_proxy_and_router_errors_for_an_unreachable_engine_are_reforwarded_while_they_last():
@@ -234,22 +244,10 @@ def test_proxy_and_router_errors_for_an_unreachable_engine_are_reforwarded_while
     it meets them directly: for 1.8 s, then answers, and each sample completes. vLLM's own 500
     (its JSON envelope) still fails at once. Before: each failed at its first attempt with
     ``engine returned HTTP 502: <html>...`` / ``HTTP 500: Request failed: ...`` (category server)."""
-    cases = [(502, "proxy"), (500, "router_send"), (500, "router_read"), (502, "empty")]
     with FakeEngine() as eng, gateway(eng.url) as s:
-        api = Api(s.url)
-        ssid = api.sampling_session()
-        seen = 0
-        for i, (status, body) in enumerate(cases):
-            eng.configure(status=status, status_body=body, status_for_s=1.8)
-            t0 = time.monotonic()
-            rid, prompt = submit(api, ssid, 111, i)
-            assert_result(*retrieve(api, rid), prompt, i)
-            assert time.monotonic() - t0 >= 1.8
-            acts = [e["action"] for e in completions(eng)][seen:]
-            seen += len(acts)
-            assert acts[-1] == "ok" and set(acts[:-1]) == {"status"} and len(acts) >= 4, (status, body, acts)
-        c = counters(s)
-        assert c["engine_reforwards"] == seen - len(cases) and "failed_server" not in c
+        api, ssid = _each_status_is_reforwarded_until_answered(eng, s, 111, [(502, "proxy"), (500, "router_send"),
+                                                                             (500, "router_read"), (502, "empty")])
+        seen = len(completions(eng))
         eng.configure(status=500, status_body="vllm", status_for_s=0)
         rid, _ = submit(api, ssid, 111, 9)
         st, _, b = retrieve(api, rid)
