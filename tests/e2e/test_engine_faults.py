@@ -59,14 +59,15 @@ def retrieve(api: Api, rid: str, within_s: float = 60.0) -> tuple[int, dict, byt
             return st, h, body
 
 
-def assert_result(st: int, h: dict, body: bytes, prompt: list[int], seed: int) -> None:
-    """A 200 protobuf SampleResponse equal, token for token, to the simulator's answer."""
+def assert_result(st: int, h: dict, body: bytes, prompt: list[int], seed: int, tokens: int = MAX_TOKENS) -> None:
+    """A 200 protobuf SampleResponse equal, token for token, to the simulator's answer for
+    ``max_tokens = tokens``."""
     from tinker.proto import tinker_public_pb2
 
     assert st == 200 and h["content-type"] == "application/x-protobuf", (st, body[:300])
     m = tinker_public_pb2.SampleResponse()
     m.ParseFromString(body)
-    want = expected_sequences(engine_body(prompt, 1, MAX_TOKENS, seed))[0]
+    want = expected_sequences(engine_body(prompt, 1, tokens, seed))[0]
     assert np.frombuffer(m.sequences[0].tokens, dtype="<i4").tolist() == want["tokens"]
     assert np.array_equal(np.frombuffer(m.sequences[0].logprobs, dtype="<f4"), want["logprobs"])
 
