@@ -1,4 +1,5 @@
-"""The encoder's pooled aiohttp client to the engine's ``/v1/completions``.
+"""The encoder's pooled client to the engine's ``/v1/completions`` (:mod:`shardserver.engine_http`
+for ``http://`` engines, aiohttp for ``https://``).
 
 Sampling has no side effects, so a request the engine did not finish can always be sent again.
 Every transport outcome is decided here, in one place:
@@ -65,11 +66,13 @@ import logging
 import random
 import time
 from typing import Any, Callable, MutableMapping
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
 
 from .config import EngineConfig, engine_base_url, mask_url, mask_urls_in
+from .engine_http import BadResponse, BodyTooLarge, Broken, ConnectFailed, EnginePool
 from .errors import EngineError
 from .messages import EngineOutage
 
@@ -209,8 +212,11 @@ class EngineClient:
         self.url = engine_base_url(url) + "/v1/completions"
         self.display_url = mask_url(self.url)  # for messages: no credentials
         self.counters: MutableMapping[str, int] = counters if counters is not None else collections.Counter()
+        # http:// engines: the answer is read into one buffer of its size (engine_http.EnginePool);
+        # https:// engines: aiohttp, through two pools (the second never reuses a connection).
+        self._pool: EnginePool | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._fresh: aiohttp.ClientSession | None = None  # never reuses a connection
+        self._fresh: aiohttp.ClientSession | None = None
         # The engine's outage: monotonic time of the first failure since the last answer, and why.
         self._down_since: float | None = None
         self._down_reason = ""
@@ -226,6 +232,14 @@ class EngineClient:
 
     async def start(self) -> None:
         """Open the connection pools (call in the event loop that will use them)."""
+        if urlsplit(self.url).scheme == "http":
+            # Receive buffers kept for reuse: half the answer budget, at most 128 MiB (64 MiB without a budget).
+            keep = min(self.cfg.answer_budget_bytes // 2, 128 << 20) if self.cfg.answer_budget_bytes else 64 << 20
+            self._pool = EnginePool(self.url, connect_timeout_s=self.cfg.connect_timeout_s,
+                                    idle_s=self.cfg.pool_idle_s, on_bytes=self._add_unclaimed,
+                                    keep_buffer_bytes=keep, counters=self.counters)
+            self._counting = True
+            return
         # aiohttp's own pool is unbounded: the encoder starts at most engine.pool_size calls, so
         # no attempt waits here for a connection (engine.timeout_s is the request's own time).
         timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.cfg.connect_timeout_s)
@@ -249,7 +263,10 @@ class EngineClient:
         self._fresh = aiohttp.ClientSession(connector=fresh, timeout=timeout, auto_decompress=True)
 
     async def close(self) -> None:
-        """Close both pools (idempotent)."""
+        """Close the pools (idempotent)."""
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
         for s in (self._session, self._fresh):
             if s is not None:
                 await s.close()
@@ -277,9 +294,10 @@ class EngineClient:
                      time.monotonic() - self._down_since)
             self._down_since, self._down_reason = None, ""
 
-    async def post(self, body: bytes, headers: dict[str, str], ids: AttemptIds | None = None) -> bytes:
+    async def post(self, body: bytes, headers: dict[str, str], ids: AttemptIds | None = None) -> bytes | memoryview:
         """POST ``body`` (JSON bytes) until the engine answers it; return the 2xx response body
-        bytes. They stay counted in :attr:`answer_bytes` until the caller passes their length to
+        (for ``http://`` engines a ``memoryview`` of exactly its size over a receive buffer that
+        is reused after :meth:`release`; ``bytes`` for ``https://``). They stay counted in :attr:`answer_bytes` until the caller passes their length to
         :meth:`release`.
 
         ``ids`` gives each attempt its ``X-Request-Id``; without it none is added to ``headers``.
@@ -287,7 +305,7 @@ class EngineClient:
         Raises:
             EngineError: a final answer or failure (see the module table).
         """
-        assert self._session is not None and self._fresh is not None, "EngineClient.start() was not called"
+        assert self._pool is not None or self._session is not None, "EngineClient.start() was not called"
         hdrs = {"Content-Type": "application/json", **headers}
         retrying = [False]
         try:
@@ -301,7 +319,7 @@ class EngineClient:
         """The attempt loop of :meth:`post`; sets ``retrying[0]`` (and counts the request in
         ``self._retrying``) at its first failure."""
         cfg = self.cfg
-        session = self._session
+        fresh = False  # the next attempt opens a connection of its own (after a keep-alive race)
         first_failure: float | None = None
         failed = 0
         backoff = _BACKOFF_FIRST_S
@@ -309,12 +327,15 @@ class EngineClient:
             if ids is not None:
                 hdrs["X-Request-Id"] = ids.next()
             try:
-                status, data = await self._attempt(session, body, hdrs)
+                if self._pool is not None:
+                    status, data = await self._attempt_pool(body, hdrs, fresh)
+                else:
+                    status, data = await self._attempt(self._fresh if fresh else self._session, body, hdrs)
             except _Broken as exc:
-                if exc.reused and exc.no_response and session is self._session:
+                if exc.reused and exc.no_response and not fresh:
                     # The engine closed an idle keep-alive connection as we reused it: nothing ran.
                     self.counters["engine_keepalive_retries"] += 1
-                    session = self._fresh
+                    fresh = True
                     continue
                 reason = str(exc)
                 status = None
@@ -358,11 +379,52 @@ class EngineClient:
             self.counters["engine_reforwards"] += 1
             await asyncio.sleep(min(backoff * random.uniform(0.5, 1.0), left))
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
-            session = self._session
+            fresh = False
+
+    async def _attempt_pool(self, body: bytes, hdrs: dict[str, str], fresh: bool) -> tuple[int, bytes | memoryview]:
+        """One attempt through :class:`EnginePool` (``http://`` engines): (status, body), or
+        raises _Broken / EngineError. A 2xx body is a ``memoryview`` of exactly its size over a
+        receive buffer; it stays counted in :attr:`answer_bytes` until :meth:`release`."""
+        cfg = self.cfg
+        limit = cfg.max_body_bytes
+        try:
+            async with asyncio.timeout(cfg.timeout_s) as deadline:
+                try:
+                    status, data, _ = await self._pool.post(body, hdrs, limit=limit, fresh=fresh)  # type: ignore[union-attr]
+                except ConnectFailed as exc:
+                    raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
+                                  no_response=True, reused=False) from None
+                except Broken as exc:
+                    if exc.answered:
+                        raise _Broken(f"engine connection broke while reading the response: {mask_urls_in(str(exc))}",
+                                      no_response=False, reused=exc.reused) from None
+                    raise _Broken(f"engine connection broke before the response: {mask_urls_in(str(exc))}",
+                                  no_response=True, reused=exc.reused) from None
+                except BodyTooLarge as exc:
+                    if exc.declared is not None:
+                        raise EngineError(f"engine body of {exc.declared} bytes exceeds engine.max_body_bytes={limit}",
+                                          status=exc.status, category="server") from None
+                    raise EngineError(f"engine body exceeds engine.max_body_bytes={limit} (stopped reading after "
+                                      f"{exc.got} bytes)", status=exc.status, category="server") from None
+                except BadResponse as exc:
+                    raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
+                                      category="server") from None
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise EngineError(f"engine timed out after {cfg.timeout_s} s (engine.timeout_s)",
+                              status=None, category="server") from None
+        if status < 400:
+            self._returned += len(data)
+            return status, data
+        out = bytes(data)
+        self._pool.recycle(data)  # type: ignore[union-attr]
+        return status, out
 
     async def _attempt(self, session: aiohttp.ClientSession, body: bytes,
                        hdrs: dict[str, str]) -> tuple[int, bytes]:
-        """One attempt on one connection: (status, body bytes), or raises _Broken / EngineError."""
+        """One aiohttp attempt (``https://`` engines) on one connection: (status, body bytes),
+        or raises _Broken / EngineError."""
         cfg = self.cfg
         trace = _TraceCtx()
         answered = False
@@ -448,7 +510,15 @@ class EngineClient:
             self._returned += len(data)
         return data
 
-    def release(self, nbytes: int) -> None:
-        """The caller is done with a 2xx body of ``nbytes`` bytes that :meth:`post` returned:
-        it no longer counts in :attr:`answer_bytes`."""
-        self._returned -= nbytes
+    def release(self, data: bytes | memoryview) -> None:
+        """The caller is done with a 2xx body that :meth:`post` returned: it no longer counts in
+        :attr:`answer_bytes`, and its receive buffer may be reused (``data`` must not be read
+        afterwards)."""
+        self._returned -= len(data)
+        if self._pool is not None:
+            self._pool.recycle(data)
+
+    def trim_buffers(self, idle_s: float) -> int:
+        """Free the receive buffers kept for reuse that no answer used for ``idle_s`` seconds;
+        returns the bytes freed (0 for an ``https://`` engine, which keeps none)."""
+        return self._pool.buffers.trim(idle_s) if self._pool is not None else 0

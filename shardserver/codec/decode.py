@@ -106,8 +106,9 @@ class DecodedCompletion:
         return any(c.finish_reason == "abort" for c in self.choices)
 
 
-def _fail_not_json(body: bytes, exc: Exception) -> EngineBodyError:
+def _fail_not_json(body: bytes | bytearray | memoryview, exc: Exception) -> EngineBodyError:
     msg = str(exc)
+    body = bytes(body)
     head = body[:256].lstrip()
     if not head:
         return EngineBodyError("$", "empty body (HTTP 2xx with no JSON)")
@@ -150,7 +151,9 @@ class CompletionDecoder:
         """Decode one HTTP-2xx body of vLLM's ``POST /v1/completions``.
 
         Args:
-            body: the raw body bytes (UTF-8 JSON). ``bytes`` is fastest; other buffers are copied.
+            body: the raw body (UTF-8 JSON): ``bytes``, ``bytearray`` or a contiguous byte
+                ``memoryview`` (the engine client's receive buffer) are parsed in place; other
+                buffers are copied to ``bytes`` first.
             num_samples: the ``n`` the gateway asked for; the body must have exactly this many choices.
             prompt_token_ids: the prompt the gateway sent (int array, shape ``(P,)``). Used to
                 look up prompt logprobs when the body has no ``prompt_token_ids``, and checked
@@ -178,7 +181,7 @@ class CompletionDecoder:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         if topk_prompt_logprobs < 0:
             raise ValueError(f"topk_prompt_logprobs must be >= 0, got {topk_prompt_logprobs}")
-        if not isinstance(body, bytes):
+        if not isinstance(body, (bytes, bytearray, memoryview)):
             body = bytes(body)
         try:
             return self._decode(body, num_samples, prompt_token_ids, prompt_logprobs, topk_prompt_logprobs)
@@ -234,7 +237,8 @@ class CompletionDecoder:
             # needs choice 0 first and no duplicate keys (get() returns the first of duplicates).
             fast_ok = c0pos == 0 and _key_once(doc, "choices") and _key_once(choice0, "prompt_logprobs")
             _decode_prompt_logprobs(
-                choice0.get("prompt_logprobs"), pids, where0, aborted, want_plp, k, out, body if fast_ok else None
+                choice0.get("prompt_logprobs"), pids, where0, aborted, want_plp, k, out,
+                (body if isinstance(body, bytes) else bytes(body)) if fast_ok else None
             )
 
         usage = doc.get("usage")

@@ -161,6 +161,9 @@ MIN_ENGINE_CALLS = 8
 # per latency) overshot: with 5 s engine queueing the limit was back at engine.pool_size, and
 # the answers over the budget again, within one latency of being cut.
 LIMIT_GROW_EVERY = 4
+# Receive buffers (shardserver.engine_http.BodyBuffers) no engine answer used for this long
+# (seconds) are freed at the next sweep.
+BUFFER_IDLE_S = 10.0
 
 
 @dataclass(slots=True)
@@ -667,7 +670,7 @@ class EncoderCore:
                     self._fail(e, str(exc), "server")
                     return
                 finally:
-                    self.engine.release(len(data))
+                    self.engine.release(data)
                 del data
                 if dc.aborted:
                     aborts += 1
@@ -1102,7 +1105,9 @@ class EncoderProc:
             while True:
                 await asyncio.sleep(cfg.futures.sweep_interval_s)
                 core.sweep()
-                # Engine answers freed after a burst stay in glibc's heap: give them back.
+                # Receive buffers no answer used for a while, then engine answers freed after a
+                # burst that stay in glibc's heap: give them back.
+                engine.trim_buffers(BUFFER_IDLE_S)
                 if trimmer.maybe_trim():
                     core.counters["heap_trims"] += 1
 

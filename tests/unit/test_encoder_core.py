@@ -51,8 +51,8 @@ class SimEngine:
         self.answer_bytes += len(data)
         return data
 
-    def release(self, nbytes: int) -> None:
-        self.answer_bytes -= nbytes
+    def release(self, data: bytes) -> None:
+        self.answer_bytes -= len(data)
 
 
 @pytest.fixture

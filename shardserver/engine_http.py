@@ -1,0 +1,598 @@
+"""A small HTTP/1.1 client for the engine's ``POST /v1/completions``: the answer is read
+straight into one buffer of the answer's own size.
+
+Why not aiohttp on this path: an engine answer is 0.5-10 MB, and aiohttp copies it four times on
+the way in (the event loop's ``bytes`` per read, the parser's ``bytes`` per body fragment, the
+stream reader's join of the fragments it holds, the caller's join of the pieces). Under a burst
+of 32k-token answers those copies, into freshly faulted memory, cost more than a millisecond per
+answer. Here the connection is an :class:`asyncio.BufferedProtocol`: once the header section
+has arrived and gives a ``Content-Length`` (what vLLM's uvicorn sends for every non-streaming
+answer), the event loop reads the rest of the body directly into a ``bytearray`` of exactly
+that size, which the decoder parses as is. One copy, from the kernel.
+
+Everything else HTTP allows still works, on a slower path: ``Transfer-Encoding: chunked``,
+bodies delimited by the connection closing, ``Content-Encoding: gzip``/``deflate`` (offered in
+``Accept-Encoding``, like aiohttp's client), interim ``1xx`` responses. The header section is
+parsed by ``httptools`` (llhttp, the parser uvicorn and aiohttp use).
+
+Used by :class:`shardserver.engine_client.EngineClient` for ``http://`` engines; an
+``https://`` engine keeps aiohttp. Failures are reported as :class:`ConnectFailed`,
+:class:`Broken` (with whether the header section had arrived and whether the connection had
+carried an earlier request, which is what the caller's retry table needs), :class:`BadResponse`
+and :class:`BodyTooLarge`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import time
+import zlib
+from typing import Callable, Mapping, MutableMapping
+from urllib.parse import unquote, urlsplit
+
+import httptools
+import numpy as np
+
+__all__ = ["EnginePool", "BodyBuffers", "ConnectFailed", "Broken", "BadResponse", "BodyTooLarge", "MAX_HEAD_BYTES"]
+
+#: The most bytes an answer's status line and header fields may take (bytes).
+MAX_HEAD_BYTES = 64 * 1024
+# Read size while the header section or a body without Content-Length arrives (bytes).
+_HEAD_READ = 16 * 1024
+_SLOW_READ = 256 * 1024
+
+
+class ConnectFailed(Exception):
+    """No connection to the engine could be opened (refused, unreachable, DNS, connect timeout)."""
+
+
+class Broken(Exception):
+    """The connection ended or failed before the answer was complete.
+
+    Attributes:
+        answered: the answer's header section had arrived (the body was cut).
+        reused: the connection had carried an earlier request (an idle keep-alive connection
+            the engine may have closed as the request went out).
+    """
+
+    def __init__(self, message: str, *, answered: bool, reused: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
+        self.reused = reused
+
+
+class BadResponse(Exception):
+    """The engine's bytes are not an HTTP/1.x response (bad status line, malformed chunking,
+    a header section over :data:`MAX_HEAD_BYTES`, an unsupported ``Content-Encoding``, a body
+    that does not decompress)."""
+
+
+class BodyTooLarge(Exception):
+    """The answer's body passes the caller's bound.
+
+    Attributes:
+        status: the answer's HTTP status.
+        declared: the ``Content-Length`` that passes it (bytes), or None when the bound was
+            passed while reading (chunked, compressed, or close-delimited bodies).
+        got: bytes of (decoded) body read when it stopped.
+    """
+
+    def __init__(self, status: int, declared: int | None, got: int) -> None:
+        super().__init__(f"body over the bound ({declared if declared is not None else got} bytes)")
+        self.status = status
+        self.declared = declared
+        self.got = got
+
+
+class BodyBuffers:
+    """Receive buffers for ``Content-Length`` answers, kept for reuse.
+
+    A new buffer for every answer costs more than the copy into it: a 2.4 MB answer is 600 fresh
+    pages, each faulted in and zeroed by the kernel (and ``bytearray(n)`` zeroes it again). A
+    buffer taken from here is already resident. Buffers come in size classes 1/16 to 1/8 of
+    their size apart (at least 64 KiB), so an answer wastes at most 12.5 %, and answers of
+    one shape share a class; an answer takes a free buffer of its class or of the next
+    classes up to twice its size.
+
+    Args:
+        keep_bytes: the most bytes of free buffers kept (bytes); buffers given back beyond it
+            are freed. 0 keeps none.
+        counters: where ``engine_buffers_reused`` / ``engine_buffers_new`` (answers that got a
+            kept buffer / a new one) are counted, e.g. the encoder's ``ShardCounters``.
+
+    Buffers are uint8 ``numpy`` arrays (uninitialised memory, no zeroing pass); callers see a
+    ``memoryview`` of the answer's length.
+    """
+
+    GRANULE_MIN = 64 * 1024
+
+    def __init__(self, keep_bytes: int, counters: MutableMapping[str, int] | None = None) -> None:
+        self.keep_bytes = keep_bytes
+        self.counters: MutableMapping[str, int] = counters if counters is not None else collections.Counter()
+        self.kept = 0  # bytes of free buffers held
+        self._free: dict[int, list[tuple[float, np.ndarray]]] = {}
+        self._out: dict[int, np.ndarray] = {}  # id(view's array) -> its buffer, for give()
+        self.reused = 0  # answers that got a kept buffer
+        self.allocated = 0  # answers that needed a new one
+
+    @classmethod
+    def size_class(cls, n: int) -> int:
+        """The buffer size (bytes) that holds an ``n``-byte answer."""
+        g = max(cls.GRANULE_MIN, 1 << max(n.bit_length() - 4, 0))
+        return -(-n // g) * g
+
+    def take(self, n: int) -> memoryview:
+        """A writable ``memoryview`` of ``n`` bytes (format ``B``) over a kept or new buffer."""
+        c = self.size_class(n)
+        buf = None
+        cand = c
+        while cand <= 2 * c:
+            lst = self._free.get(cand)
+            if lst:
+                buf = lst.pop()[1]
+                self.kept -= buf.size
+                self.reused += 1
+                self.counters["engine_buffers_reused"] += 1
+                break
+            cand = self.size_class(cand + 1)
+        if buf is None:
+            buf = np.empty(c, dtype=np.uint8)
+            self.allocated += 1
+            self.counters["engine_buffers_new"] += 1
+        view = buf[:n]
+        self._out[id(view)] = buf
+        return memoryview(view)
+
+    def give(self, data: object) -> None:
+        """Take back a view :meth:`take` returned (anything else is ignored). The view must not
+        be used afterwards: its bytes will be overwritten by a later answer."""
+        owner = getattr(data, "obj", None)
+        buf = self._out.pop(id(owner), None) if owner is not None else None
+        if buf is None:
+            return
+        if self.kept + buf.size <= self.keep_bytes:
+            self._free.setdefault(buf.size, []).append((time.monotonic(), buf))
+            self.kept += buf.size
+        if isinstance(data, memoryview):
+            try:
+                data.release()  # a later use fails loudly instead of reading another answer
+            except BufferError:
+                pass
+
+    def trim(self, idle_s: float) -> int:
+        """Free the kept buffers unused for ``idle_s`` seconds or more; returns the bytes freed."""
+        cutoff = time.monotonic() - idle_s
+        freed = 0
+        for size, lst in list(self._free.items()):
+            keep = [(t, b) for t, b in lst if t > cutoff]
+            freed += size * (len(lst) - len(keep))
+            if keep:
+                self._free[size] = keep
+            else:
+                del self._free[size]
+        self.kept -= freed
+        return freed
+
+
+class _Exchange:
+    """One request's answer as it arrives (state shared by the protocol and the parser callbacks)."""
+
+    __slots__ = ("waiter", "limit", "status", "headers_done", "interim", "length", "body", "got",
+                 "direct", "inflater", "complete", "keep_alive", "error", "received", "chunked",
+                 "encoding")
+
+    def __init__(self, waiter: asyncio.Future, limit: int) -> None:
+        self.waiter = waiter
+        self.limit = limit
+        self.status = 0
+        self.headers_done = False
+        self.interim = False  # the header section that arrived was a 1xx
+        self.length: int | None = None  # Content-Length
+        self.chunked = False
+        self.encoding = b""  # Content-Encoding, lower case
+        self.body: bytearray | memoryview = bytearray()
+        self.got = 0  # body bytes in self.body
+        self.direct = False  # the event loop reads into self.body (Content-Length, identity)
+        self.inflater = None
+        self.complete = False
+        self.keep_alive = True
+        self.error: BaseException | None = None
+        self.received = 0  # bytes of this answer received (header section included)
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One keep-alive connection to the engine; carries one exchange at a time."""
+
+    def __init__(self, pool: "EnginePool") -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.requests = 0  # requests sent on this connection
+        self.idle_since = 0.0
+        self.x: _Exchange | None = None
+        self.parser: httptools.HttpResponseParser | None = None
+        self.head = bytearray(_HEAD_READ)
+        self.head_view = memoryview(self.head)
+        self.body_view: memoryview | None = None
+        self.head_bytes = 0  # header-section bytes seen for the current answer
+        self.dirty = False  # bytes beyond the answer arrived: never reuse
+
+    # -- asyncio.BufferedProtocol ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        x = self.x
+        if x is not None and x.direct and not x.waiter.done():
+            return self.body_view[x.got:]  # type: ignore[index]
+        if x is not None and x.headers_done and not x.interim and not x.complete and len(self.head) < _SLOW_READ:
+            self.head = bytearray(_SLOW_READ)  # a body without Content-Length: larger reads
+            self.head_view = memoryview(self.head)
+        return self.head_view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        x = self.x
+        if x is None or x.waiter.done():  # bytes that answer nothing of ours: never reuse
+            self.dirty = True
+            self._drop()
+            return
+        x.received += nbytes
+        self.pool.on_bytes(nbytes)
+        if x.direct:
+            x.got += nbytes
+            if x.got == x.length:
+                self._end_body()
+            return
+        try:
+            if not x.headers_done:
+                if self.head_bytes >= MAX_HEAD_BYTES:
+                    raise BadResponse(f"answer header section over {MAX_HEAD_BYTES} bytes")
+                self.head_bytes += nbytes
+            self.parser.feed_data(self.head_view[:nbytes])  # type: ignore[union-attr]
+        except httptools.HttpParserError as exc:
+            inner = exc.__context__ if isinstance(exc, httptools.HttpParserCallbackError) else None
+            if isinstance(inner, _Stop):
+                return
+            if isinstance(inner, (BodyTooLarge, BadResponse)):
+                self._fail(inner)
+            elif x.complete:  # bytes after a complete answer: the answer stands
+                self.dirty = True
+            else:
+                self._fail(BadResponse(f"not an HTTP/1.1 answer: {exc}"))
+        except (BodyTooLarge, BadResponse) as exc:
+            self._fail(exc)
+
+    def eof_received(self) -> bool:
+        x = self.x
+        if x is not None and x.headers_done and not x.interim and not x.complete and \
+                x.length is None and not x.chunked:
+            self._end_body()  # a body delimited by the connection closing
+        return False  # close the transport
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closed = True
+        x = self.x
+        if x is not None and not x.waiter.done():
+            answered = x.headers_done and not x.interim
+            what = str(exc) if exc is not None else "the engine closed the connection"
+            if answered and x.length is not None:
+                what += f" after {x.got} of {x.length} body bytes"
+            elif answered:
+                what += f" after {x.got} body bytes"
+            self._fail(Broken(what, answered=answered, reused=self.requests > 1))
+        self.pool._forget(self)
+
+    # -- the answer ----------------------------------------------------------------------------
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        x = self.x
+        if x is not None and x.complete:
+            self.dirty = True  # a second answer to one request
+            raise _Stop()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        x = self.x
+        n = name.lower()
+        if n == b"content-length":
+            try:
+                v = int(value)
+            except ValueError:
+                raise BadResponse(f"bad Content-Length {value[:40]!r}") from None
+            if v < 0 or (x.length is not None and x.length != v):
+                raise BadResponse(f"bad Content-Length {value[:40]!r}")
+            x.length = v
+        elif n == b"transfer-encoding":
+            x.chunked = b"chunked" in value.lower()
+        elif n == b"content-encoding":
+            x.encoding = value.strip().lower()
+
+    def on_headers_complete(self) -> None:
+        x = self.x
+        p = self.parser
+        status = p.get_status_code()
+        if 100 <= status < 200:  # interim answer (100 Continue, 103 Early Hints): the real one follows
+            x.interim = True
+            x.length, x.chunked, x.encoding = None, False, b""
+            return
+        x.interim = False
+        x.status = status
+        x.headers_done = True
+        x.keep_alive = p.should_keep_alive()
+        if x.chunked:
+            x.length = None  # Transfer-Encoding wins over Content-Length (RFC 9112 6.3)
+        enc = x.encoding
+        if enc in (b"gzip", b"x-gzip"):
+            x.inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif enc == b"deflate":
+            x.inflater = _Deflate()
+        elif enc not in (b"", b"identity"):
+            raise BadResponse(f"Content-Encoding {enc[:40].decode('latin-1')!r}, which the gateway did not offer")
+        if x.length is not None and x.length > x.limit:
+            raise BodyTooLarge(status, x.length, 0)
+        if x.length is not None and x.inflater is None and status not in (204, 304):
+            x.body = self.body_view = self.pool.buffers.take(x.length)
+            x.direct = True  # the rest of this read is copied in by on_body, later reads land in place
+        if status in (204, 304):
+            x.length = 0
+
+    def on_body(self, data: bytes) -> None:
+        x = self.x
+        if x.interim:
+            return
+        if x.direct:
+            n = len(data)
+            self.body_view[x.got:x.got + n] = data  # type: ignore[index]
+            x.got += n
+            return
+        if x.inflater is not None:
+            try:
+                data = x.inflater.decompress(data, x.limit - x.got + 1)
+            except zlib.error as exc:
+                raise BadResponse(f"body does not decompress ({x.encoding.decode('latin-1')}): {exc}") from None
+            if x.inflater.unconsumed_tail:
+                raise BodyTooLarge(x.status, None, x.got + len(data))
+        x.body += data
+        x.got += len(data)
+        if x.got > x.limit:
+            raise BodyTooLarge(x.status, None, x.got)
+
+    def on_message_complete(self) -> None:
+        x = self.x
+        if x.interim:
+            x.interim = False
+            return
+        self._end_body()
+
+    def _end_body(self) -> None:
+        x = self.x
+        if x.inflater is not None:
+            try:
+                rest = x.inflater.flush()
+            except zlib.error as exc:
+                self._fail(BadResponse(f"body does not decompress ({x.encoding.decode('latin-1')}): {exc}"))
+                return
+            if not x.inflater.eof:
+                self._fail(Broken(f"compressed body ends early ({x.got} bytes decoded)", answered=True,
+                                  reused=self.requests > 1))
+                return
+            x.body += rest
+            x.got += len(rest)
+            if x.got > x.limit:
+                self._fail(BodyTooLarge(x.status, None, x.got))
+                return
+        x.complete = True
+        self._finish()
+
+    def _finish(self) -> None:
+        x = self.x
+        if x is None or x.waiter.done():
+            return
+        self.body_view = None
+        x.waiter.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        x = self.x
+        if x is not None and not x.waiter.done():
+            x.error = exc
+            x.waiter.set_result(None)
+        self.body_view = None
+        self._drop()
+
+    def _drop(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+
+
+class _Stop(Exception):
+    """Stops httptools' feed at a second answer to one request (raised from a callback)."""
+
+
+class _Deflate:
+    """``Content-Encoding: deflate``: zlib-wrapped as RFC 9110 says, or raw DEFLATE as some
+    servers send it; decided by the first byte."""
+
+    def __init__(self) -> None:
+        self._z = None
+
+    def decompress(self, data: bytes, max_length: int) -> bytes:
+        if self._z is None:
+            if not data:
+                return b""
+            raw = (data[0] & 0x0F) != 8
+            self._z = zlib.decompressobj(-zlib.MAX_WBITS if raw else zlib.MAX_WBITS)
+        return self._z.decompress(data, max_length)
+
+    @property
+    def unconsumed_tail(self) -> bytes:
+        return self._z.unconsumed_tail if self._z is not None else b""
+
+    @property
+    def eof(self) -> bool:
+        return self._z is not None and self._z.eof
+
+    def flush(self) -> bytes:
+        return self._z.flush() if self._z is not None else b""
+
+
+class EnginePool:
+    """Keep-alive connections to one ``http://`` engine, and the POST that uses them.
+
+    Args:
+        url: the full request URL (``http://[user:password@]host[:port]/path``); credentials
+            become an ``Authorization: Basic`` header, as aiohttp's client does.
+        connect_timeout_s: bound on opening a connection (seconds).
+        idle_s: an idle connection older than this is closed instead of reused (seconds).
+        on_bytes: called with the byte count of every read (answer bytes arriving, header
+            sections included), and with minus an answer's total once :meth:`post` is done
+            with it, so a caller can keep the engine bytes this process holds.
+        keep_buffer_bytes: the most bytes of receive buffers kept for reuse (:class:`BodyBuffers`).
+        counters: passed to :class:`BodyBuffers`.
+
+    Not thread-safe; one per event loop.
+    """
+
+    def __init__(self, url: str, *, connect_timeout_s: float, idle_s: float,
+                 on_bytes: Callable[[int], None] | None = None, keep_buffer_bytes: int = 64 << 20,
+                 counters: MutableMapping[str, int] | None = None) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"EnginePool needs an http:// URL with a host, got scheme {parts.scheme!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_header = host if self.port == 80 else f"{host}:{self.port}"
+        self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self.auth = None
+        if parts.username is not None:
+            cred = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode("latin-1")
+            self.auth = "Basic " + base64.b64encode(cred).decode("ascii")
+        self.connect_timeout_s = connect_timeout_s
+        self.idle_s = idle_s
+        self.on_bytes: Callable[[int], None] = on_bytes or (lambda n: None)
+        self.buffers = BodyBuffers(keep_buffer_bytes, counters)
+        self._idle: collections.deque[_Connection] = collections.deque()
+        self._all: set[_Connection] = set()
+        self._closed = False
+
+    def _forget(self, conn: _Connection) -> None:
+        self._all.discard(conn)
+        # Closed idle connections are skipped when taken; no scan of the deque here.
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+        except TimeoutError:
+            raise ConnectFailed(f"connect timeout after {self.connect_timeout_s:g} s "
+                                f"(engine.connect_timeout_s)") from None
+        except OSError as exc:
+            raise ConnectFailed(str(exc) or type(exc).__name__) from None
+        self._all.add(conn)
+        return conn
+
+    def _take_idle(self) -> _Connection | None:
+        now = time.monotonic()
+        q = self._idle
+        while q:
+            conn = q.pop()  # the most recently used: the least likely to have been closed
+            if conn.closed:
+                continue
+            if now - conn.idle_since > self.idle_s:
+                conn._drop()
+                continue
+            return conn
+        return None
+
+    async def post(self, body: bytes, headers: Mapping[str, str], *, limit: int,
+                   fresh: bool = False) -> tuple[int, bytearray, bool]:
+        """POST ``body`` to the pool's URL and read the whole answer.
+
+        Args:
+            body: the request body (bytes).
+            headers: extra request header fields (``Content-Type``, ``X-Request-Id`` ...).
+            limit: the most (decoded) body bytes to accept.
+            fresh: use a new connection and close it afterwards (after a reused connection
+                failed before any answer).
+
+        Returns:
+            ``(status, body, reused)``: the final status, the decoded body, and whether the
+            connection had carried an earlier request. The body is a ``memoryview`` (format
+            ``B``) of exactly its length: over a :class:`BodyBuffers` buffer for a
+            ``Content-Length`` identity body (hand it back with :meth:`recycle` when done), else
+            over a ``bytearray``.
+
+        Raises:
+            ConnectFailed: no connection could be opened.
+            Broken: the connection ended before the answer was complete.
+            BadResponse: the answer is not valid HTTP/1.x (or cannot be decoded).
+            BodyTooLarge: the body passes ``limit``.
+            asyncio.CancelledError: when cancelled (e.g. by the caller's timeout), the connection
+                is closed, which makes vLLM abort the request.
+        """
+        if self._closed:
+            raise ConnectFailed("the engine client is closed")
+        conn = None if fresh else self._take_idle()
+        if conn is None:
+            conn = await self._connect()
+        conn.requests += 1
+        reused = conn.requests > 1
+        loop = asyncio.get_running_loop()
+        x = _Exchange(loop.create_future(), limit)
+        conn.x = x
+        conn.parser = httptools.HttpResponseParser(conn)
+        conn.head_bytes = 0
+        lines = [f"POST {self.target} HTTP/1.1\r\nHost: {self.host_header}\r\n"
+                 f"Accept: */*\r\nAccept-Encoding: gzip, deflate\r\nContent-Length: {len(body)}\r\n"]
+        if fresh:
+            lines.append("Connection: close\r\n")
+        if self.auth is not None:
+            lines.append(f"Authorization: {self.auth}\r\n")
+        for k, v in headers.items():
+            lines.append(f"{k}: {v}\r\n")
+        lines.append("\r\n")
+        try:
+            try:
+                conn.transport.write("".join(lines).encode("latin-1"))
+                if body:
+                    conn.transport.write(body)
+            except (RuntimeError, OSError) as exc:  # a transport closed under us
+                raise Broken(str(exc) or type(exc).__name__, answered=False, reused=reused) from None
+            if conn.closed and not x.waiter.done():
+                raise Broken("the engine closed the connection", answered=False, reused=reused)
+            await x.waiter
+            if x.error is not None:
+                raise x.error
+        except BaseException:
+            conn.x = None
+            conn._drop()
+            self.on_bytes(-x.received)
+            self.buffers.give(x.body)
+            raise
+        conn.x = None
+        conn.parser = None
+        self.on_bytes(-x.received)
+        if fresh or conn.closed or conn.dirty or not x.keep_alive or self._closed:
+            conn._drop()
+        else:
+            conn.idle_since = time.monotonic()
+            self._idle.append(conn)
+        body_out = x.body if isinstance(x.body, memoryview) else memoryview(x.body)
+        return x.status, body_out, reused
+
+    def recycle(self, body: object) -> None:
+        """The caller is done with a body :meth:`post` returned: its buffer may be reused."""
+        self.buffers.give(body)
+
+    async def close(self) -> None:
+        """Close every connection (idempotent)."""
+        self._closed = True
+        for conn in list(self._all):
+            conn._drop()
+        self._idle.clear()

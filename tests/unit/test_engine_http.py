@@ -1,0 +1,326 @@
+"""shardserver.engine_http: the engine client's HTTP/1.1 connection, against a scripted server on
+127.0.0.1 that answers each request with exact bytes (split, chunked, compressed, cut short)."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import zlib
+from typing import Any
+
+import pytest
+import uvloop
+
+from shardserver.engine_http import (MAX_HEAD_BYTES, BadResponse, BodyBuffers, BodyTooLarge, Broken,
+                                     ConnectFailed, EnginePool)
+
+BODY = b'{"choices":[{"index":0,"token_ids":[1,2,3]}]}' * 50
+
+
+def ok(body: bytes = BODY, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n" % (
+        len(body), extra) + body
+
+
+class Script:
+    """A server that answers the i-th request it reads (over all connections) with ``answers[i]``:
+    bytes, a list of pieces written with a short pause between them, or ``("close", bytes)`` to
+    write then close. Records each request's raw head and body, and the connection it came on."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+        self.requests: list[tuple[int, bytes, bytes]] = []
+        self.connections = 0
+        self.eofs = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> "Script":
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1/completions"
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conn = self.connections
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await r.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    self.eofs += 1
+                    return
+                n = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        n = int(line.split(b":", 1)[1])
+                body = await r.readexactly(n)
+                i = len(self.requests)
+                self.requests.append((conn, head, body))
+                a = self.answers[i]
+                close = False
+                if isinstance(a, tuple):
+                    close, a = True, a[1]
+                for piece in a if isinstance(a, list) else [a]:
+                    w.write(piece)
+                    await w.drain()
+                    if isinstance(a, list):
+                        await asyncio.sleep(0.01)
+                if close:
+                    w.close()
+                    return
+        except ConnectionError:
+            pass
+        finally:
+            w.close()
+
+
+def pool_for(url: str, **kw: Any) -> tuple[EnginePool, list[int]]:
+    held = [0]
+
+    def on_bytes(n: int) -> None:
+        held[0] += n
+
+    return EnginePool(url, connect_timeout_s=kw.pop("connect_timeout_s", 2.0), idle_s=kw.pop("idle_s", 4.0),
+                      on_bytes=on_bytes, **kw), held
+
+
+@pytest.fixture(params=["asyncio", "uvloop"], autouse=True)
+def _loop_kind(request: pytest.FixtureRequest) -> Any:
+    global _LOOP
+    _LOOP = request.param
+    yield
+
+
+_LOOP = "asyncio"
+
+
+def run(coro: Any) -> Any:
+    """Run ``coro`` (bounded at 20 s) on the event loop of the test's parameter: the encoders run uvloop."""
+    bounded = asyncio.wait_for(coro, 20)
+    return uvloop.run(bounded) if _LOOP == "uvloop" else asyncio.run(bounded)
+
+
+def test_content_length_answer_lands_in_a_reused_buffer_on_a_reused_connection() -> None:
+    async def main() -> None:
+        async with Script([ok(), ok(BODY[:100])]) as s:
+            pool, held = pool_for(s.url)
+            status, body, reused = await pool.post(b'{"a":1}', {"Content-Type": "application/json",
+                                                                 "X-Request-Id": "f-a1"}, limit=1 << 20)
+            assert (status, bytes(body), reused) == (200, BODY, False)
+            assert isinstance(body, memoryview) and len(body) == len(BODY)
+            assert held[0] == 0  # the answer's bytes left the count once post() returned
+            pool.recycle(body)
+            with pytest.raises(ValueError):
+                bytes(body)  # released: a use after recycle fails instead of reading another answer
+            status, body2, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body2), reused) == (200, BODY[:100], True)
+            assert (pool.buffers.allocated, pool.buffers.reused) == (1, 1)
+            assert s.connections == 1
+            conn, head, req = s.requests[0]
+            assert req == b'{"a":1}'
+            assert head == (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAccept: */*\r\n"
+                            b"Accept-Encoding: gzip, deflate\r\nContent-Length: 7\r\n"
+                            b"Content-Type: application/json\r\nX-Request-Id: f-a1\r\n\r\n" % s.port)
+            await pool.close()
+    run(main())
+
+
+def test_credentials_in_the_url_become_basic_auth() -> None:
+    async def main() -> None:
+        async with Script([ok()]) as s:
+            pool, _ = pool_for(f"http://us%40er:p%3Ass@127.0.0.1:{s.port}/v1/completions")
+            await pool.post(b"{}", {}, limit=1 << 20)
+            # base64("us@er:p:ss")
+            assert b"\r\nAuthorization: Basic dXNAZXI6cDpzcw==\r\n" in s.requests[0][1]
+            await pool.close()
+    run(main())
+
+
+def test_answer_split_into_small_pieces_with_the_head_cut_mid_line() -> None:
+    raw = ok()
+    pieces = [raw[:5], raw[5:30], raw[30:70], raw[70:71]] + [raw[i:i + 333] for i in range(71, len(raw), 333)]
+
+    async def main() -> None:
+        async with Script([pieces]) as s:
+            pool, held = pool_for(s.url)
+            status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body), held[0]) == (200, BODY, 0)
+            await pool.close()
+    run(main())
+
+
+def test_chunked_gzip_deflate_and_close_delimited_bodies() -> None:
+    chunked = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+               + b"".join(b"%x\r\n%s\r\n" % (len(BODY[i:i + 700]), BODY[i:i + 700]) for i in range(0, len(BODY), 700))
+               + b"0\r\nx-trailer: 1\r\n\r\n")
+    gz = gzip.compress(BODY)
+    gzipped = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(gz) + gz
+    zw = zlib.compress(BODY)
+    deflated = b"HTTP/1.1 200 OK\r\ncontent-encoding: deflate\r\ncontent-length: %d\r\n\r\n" % len(zw) + zw
+    co = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
+    raw_d = co.compress(BODY) + co.flush()
+    raw_deflated = b"HTTP/1.1 200 OK\r\ncontent-encoding: deflate\r\ncontent-length: %d\r\n\r\n" % len(raw_d) + raw_d
+    until_close = ("close", b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + BODY)
+
+    async def main() -> None:
+        async with Script([chunked, gzipped, deflated, raw_deflated, until_close, ok()]) as s:
+            pool, held = pool_for(s.url)
+            for _ in range(5):
+                status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+                assert (status, bytes(body)) == (200, BODY)
+            assert held[0] == 0
+            assert [c for c, _, _ in s.requests] == [0, 0, 0, 0, 0]
+            status, body, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body), reused) == (200, BODY, False)  # a new connection after the close
+            assert s.connections == 2
+            await pool.close()
+    run(main())
+
+
+def test_interim_100_continue_is_skipped_and_204_has_no_body() -> None:
+    async def main() -> None:
+        async with Script([b"HTTP/1.1 100 Continue\r\n\r\n" + ok(), b"HTTP/1.1 204 No Content\r\n\r\n", ok()]) as s:
+            pool, _ = pool_for(s.url)
+            assert (await pool.post(b"{}", {}, limit=1 << 20))[:2] == (200, memoryview(BODY))
+            status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body)) == (204, b"")
+            status, body, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body), reused) == (200, BODY, True)
+            assert s.connections == 1
+            await pool.close()
+    run(main())
+
+
+def test_bytes_after_the_answer_keep_the_answer_but_not_the_connection() -> None:
+    async def main() -> None:
+        async with Script([ok() + ok(b"{}"), ok(b"[]")]) as s:
+            pool, _ = pool_for(s.url)
+            status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body)) == (200, BODY)
+            status, body, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body), reused) == (200, b"[]", False)
+            assert s.connections == 2
+            await pool.close()
+    run(main())
+
+
+def test_bad_answers_raise_bad_response() -> None:
+    cases = [
+        b"HTTTP/1.1 200 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 12x\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-encoding: br\r\ncontent-length: 2\r\n\r\n{}",
+        b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 9\r\n\r\nnot gzip!",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * (MAX_HEAD_BYTES + 20_000) + b"\r\n\r\n",
+    ]
+    expect = ["not an HTTP/1.1 answer", "Content-Length", "Content-Encoding 'br'", "does not decompress",
+              "not an HTTP/1.1 answer", f"header section over {MAX_HEAD_BYTES} bytes"]
+
+    async def main() -> None:
+        async with Script(cases) as s:
+            pool, held = pool_for(s.url)
+            for want in expect:
+                with pytest.raises(BadResponse, match=want):
+                    await pool.post(b"{}", {}, limit=1 << 20)
+            assert held[0] == 0
+            assert s.connections == len(cases)  # none of those connections was used again
+            await pool.close()
+    run(main())
+
+
+def test_bodies_over_the_limit_stop_while_they_arrive() -> None:
+    limit = 64 * 1024
+    big = b" " * (4 << 20)
+    chunked = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"] + [
+        b"%x\r\n%s\r\n" % (1 << 16, big[:1 << 16]) for _ in range(64)] + [b"0\r\n\r\n"]
+    bomb = gzip.compress(big)
+
+    async def main() -> None:
+        async with Script([ok(big), chunked, b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n"
+                           % len(bomb) + bomb]) as s:
+            pool, held = pool_for(s.url)
+            with pytest.raises(BodyTooLarge) as e:
+                await pool.post(b"{}", {}, limit=limit)
+            assert (e.value.status, e.value.declared, e.value.got) == (200, len(big), 0)
+            with pytest.raises(BodyTooLarge) as e:
+                await pool.post(b"{}", {}, limit=limit)
+            assert e.value.declared is None and limit < e.value.got <= limit + (1 << 16)
+            with pytest.raises(BodyTooLarge) as e:
+                await pool.post(b"{}", {}, limit=limit)
+            assert e.value.declared is None and e.value.got == limit + 1  # inflated no further than that
+            assert held[0] == 0
+            await pool.close()
+    run(main())
+
+
+def test_cut_bodies_and_closed_connections_raise_broken_with_what_had_arrived() -> None:
+    async def main() -> None:
+        async with Script([("close", ok()[:-10]), ok(), ("close", b""), ok()]) as s:
+            pool, held = pool_for(s.url)
+            with pytest.raises(Broken, match=rf"after {len(BODY) - 10} of {len(BODY)} body bytes") as e:
+                await pool.post(b"{}", {}, limit=1 << 20)
+            assert (e.value.answered, e.value.reused) == (True, False)
+            await pool.post(b"{}", {}, limit=1 << 20)  # connection 1, now idle in the pool
+            with pytest.raises(Broken) as e:  # the engine closes it instead of answering
+                await pool.post(b"{}", {}, limit=1 << 20)
+            assert (e.value.answered, e.value.reused) == (False, True)
+            assert held[0] == 0
+            await pool.close()
+    run(main())
+
+
+def test_refused_connection_and_idle_expiry() -> None:
+    async def main() -> None:
+        async with Script([ok(), ok()]) as s:
+            url = s.url
+            pool, _ = pool_for(url, idle_s=0.05)
+            await pool.post(b"{}", {}, limit=1 << 20)
+            await asyncio.sleep(0.15)
+            _, _, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert reused is False and s.connections == 2  # the idle connection was too old to use
+            await pool.close()
+        pool, _ = pool_for(url)  # the server is gone: nothing listens on that port
+        with pytest.raises(ConnectFailed):
+            await pool.post(b"{}", {}, limit=1 << 20)
+        await pool.close()
+    run(main())
+
+
+def test_cancelled_request_closes_its_connection() -> None:
+    async def main() -> None:
+        async with Script([[ok()[:40], b""] + [b""] * 100]) as s:  # answers slowly, never finishes in time
+            pool, held = pool_for(s.url)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await pool.post(b"{}", {}, limit=1 << 20)
+            assert held[0] == 0
+            for _ in range(100):
+                if s.eofs or s.connections and not pool._all:
+                    break
+                await asyncio.sleep(0.01)
+            assert not pool._all  # the connection was closed, so vLLM would abort the request
+            await pool.close()
+    run(main())
+
+
+def test_body_buffers_size_classes_reuse_bound_and_trim() -> None:
+    assert BodyBuffers.size_class(1) == 65536
+    assert BodyBuffers.size_class(2_420_940) == 10 * 262144
+    for n in (70_000, 655_360, 2_420_940, 10_000_001):
+        c = BodyBuffers.size_class(n)
+        assert n <= c <= n * 1.125 + BodyBuffers.GRANULE_MIN
+    b = BodyBuffers(keep_bytes=3 * 262144 * 10)
+    views = [b.take(2_420_940) for _ in range(4)]
+    assert [len(v) for v in views] == [2_420_940] * 4 and b.allocated == 4
+    for v in views:
+        b.give(v)
+    assert b.kept == 3 * 2_621_440  # the fourth was over keep_bytes: freed
+    v = b.take(2_000_000)  # a smaller answer within twice its class takes a kept buffer
+    assert (b.reused, b.kept, len(v)) == (1, 2 * 2_621_440, 2_000_000)
+    b.give(b"not ours")  # ignored
+    assert b.trim(3600) == 0 and b.trim(0) == 2 * 2_621_440 and b.kept == 0
