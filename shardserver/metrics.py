@@ -33,11 +33,14 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from .prometheus_dir import MULTIPROC_ENV, prometheus_dir, use_cached_pid
 
-from .messages import FutureState
-from .prometheus_dir import MULTIPROC_ENV, prometheus_dir
+use_cached_pid()  # before the first metric below is created
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
+from prometheus_client.core import GaugeMetricFamily  # noqa: E402
+
+from .messages import FutureState  # noqa: E402
 
 __all__ = [
     "MULTIPROC_ENV",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["MULTIPROC_ENV", "prepare_prometheus_dir", "prometheus_dir", "mark_process_dead"]
+__all__ = ["MULTIPROC_ENV", "prepare_prometheus_dir", "prometheus_dir", "mark_process_dead", "use_cached_pid"]
 
 log = logging.getLogger("shardserver.metrics")
 
@@ -36,6 +36,38 @@ def prepare_prometheus_dir(run_dir: str) -> str:
             os.unlink(os.path.join(path, name))
     os.environ[MULTIPROC_ENV] = path
     return path
+
+
+_pid = [0]
+
+
+def _cached_pid() -> int:
+    return _pid[0]
+
+
+def _refresh_pid() -> None:
+    _pid[0] = os.getpid()
+
+
+def use_cached_pid() -> None:
+    """Make ``prometheus_client``'s multiprocess values read this process's pid from a cache.
+
+    In multiprocess mode every ``inc()``/``set()``/``observe()`` calls its process identifier
+    (``os.getpid``, a system call) to notice a ``fork()``; an encoder makes dozens of metric
+    updates per result, and the calls were 3-5 % of its CPU in ``benchmarks/run_load.py
+    --scenario queue-8k``. The cache is refreshed in the child after every ``os.fork()``
+    (``os.register_at_fork``), so a forked child still gets files of its own. Call before any
+    metric is created (the values class is chosen per metric at creation); a no-op when
+    ``PROMETHEUS_MULTIPROC_DIR`` is unset (process-local values never call it).
+    """
+    if not os.environ.get(MULTIPROC_ENV):
+        return
+    from prometheus_client import values
+
+    if _pid[0] == 0:
+        _refresh_pid()
+        os.register_at_fork(after_in_child=_refresh_pid)
+    values.ValueClass = values.MultiProcessValue(process_identifier=_cached_pid)
 
 
 def prometheus_dir() -> str | None:
