@@ -211,7 +211,7 @@ class EngineClient:
         self.cfg = cfg
         self.url = engine_base_url(url) + "/v1/completions"
         self.display_url = mask_url(self.url)  # for messages: no credentials
-        self.counters: MutableMapping[str, int] = counters if counters is not None else collections.Counter()
+        self._counters: MutableMapping[str, int] = counters if counters is not None else collections.Counter()
         # http:// engines: the answer is read into one buffer of its size (engine_http.EnginePool);
         # https:// engines: aiohttp, through two pools (the second never reuses a connection).
         self._pool: EnginePool | None = None
@@ -229,6 +229,18 @@ class EngineClient:
         self._counting = False  # the pools' connections count what they receive (_CountingHandler)
         # Called at every engine answer (the encoder's EngineProbe.kick: a failed probe is re-run at once).
         self.on_answer: Callable[[], None] | None = None
+
+    @property
+    def counters(self) -> MutableMapping[str, int]:
+        """Where the client counts its retries and receive-buffer reuse (settable: the encoder
+        hands over its ``ShardCounters`` once its core exists)."""
+        return self._counters
+
+    @counters.setter
+    def counters(self, value: MutableMapping[str, int]) -> None:
+        self._counters = value
+        if self._pool is not None:
+            self._pool.buffers.counters = value
 
     async def start(self) -> None:
         """Open the connection pools (call in the event loop that will use them)."""

@@ -38,6 +38,8 @@ def test_answer_bytes_are_counted_until_decoded_and_released_after_every_outcome
         rid, prompt = submit(api, ssid, 101, 1)
         assert_result(*retrieve(api, rid), prompt, 1)
         assert _shard(s)["engine_answer_bytes"] == 0
+        c = counters(s)  # the answer was read into a new receive buffer, then kept for the next
+        assert c["engine_buffers_new"] == 1 and "engine_buffers_reused" not in c
         eng.configure(truncate=1)  # half the body, then FIN: re-forwarded, the cut half released
         rid, prompt = submit(api, ssid, 102, 2)
         assert_result(*retrieve(api, rid), prompt, 2)
@@ -50,6 +52,9 @@ def test_answer_bytes_are_counted_until_decoded_and_released_after_every_outcome
         assert (sh["engine_answer_bytes"], sh["engine_call_limit"]) == (0, 64)
         c = counters(s)
         assert c["completed"] == 2 and c["failed_user"] == 1 and "engine_calls_held_back" not in c
+        # Four answers with a Content-Length, all in the 64 KiB size class: the three after the
+        # first reused its buffer (the cut one and the 400's handed it back too).
+        assert (c["engine_buffers_new"], c["engine_buffers_reused"]) == (1, 3)
 
 
 def test_answers_over_the_budget_hold_back_engine_calls():
