@@ -30,7 +30,7 @@ import collections
 import time
 import zlib
 from typing import Callable, Mapping, MutableMapping
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import httptools
 import numpy as np
@@ -42,6 +42,13 @@ MAX_HEAD_BYTES = 64 * 1024
 # Read size while the header section or a body without Content-Length arrives (bytes).
 _HEAD_READ = 16 * 1024
 _SLOW_READ = 256 * 1024
+# What aiohttp's client (the engine client before this module, and still for https:// engines)
+# tolerates in an answer: bare LF line ends, obsolete line folding and other header-value slack,
+# spaces after a chunk size. An engine or proxy that sends these got its answers through.
+_LENIENCIES = dict(lenient_headers=True, lenient_optional_cr_before_lf=True, lenient_spaces_after_chunk_size=True)
+# Characters kept as they are in the request target's path (RFC 3986 pchar and "/", plus "%" for
+# the escapes the URL already has).
+_PATH_SAFE = "/%:@!$&'()*+,;=~"
 
 
 class ConnectFailed(Exception):
@@ -252,6 +259,12 @@ class _Connection(asyncio.BufferedProtocol):
                     raise BadResponse(f"answer header section over {MAX_HEAD_BYTES} bytes")
                 self.head_bytes += nbytes
             self.parser.feed_data(self.head_view[:nbytes])  # type: ignore[union-attr]
+        except httptools.HttpParserUpgrade:  # not a parse error in httptools' hierarchy
+            if x.complete:  # a second answer after ours
+                self.dirty = True
+            else:
+                self._fail(BadResponse(f"HTTP {self.parser.get_status_code()} (an upgrade) to a request that "  # type: ignore[union-attr]
+                                       f"asked for none"))
         except httptools.HttpParserError as exc:
             inner = exc.__context__ if isinstance(exc, httptools.HttpParserCallbackError) else None
             if isinstance(inner, _Stop):
@@ -467,7 +480,9 @@ class EnginePool:
         self.port = parts.port or 80
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = host if self.port == 80 else f"{host}:{self.port}"
-        self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # As aiohttp (yarl) sends it: a space or non-ASCII letter percent-encoded (UTF-8), existing
+        # %-escapes and the characters a path may hold as they are.
+        self.target = quote(parts.path or "/", safe=_PATH_SAFE) + (f"?{parts.query}" if parts.query else "")
         self.auth = None
         if parts.username is not None:
             cred = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode("latin-1")
@@ -547,6 +562,7 @@ class EnginePool:
         x = _Exchange(loop.create_future(), limit)
         conn.x = x
         conn.parser = httptools.HttpResponseParser(conn)
+        conn.parser.set_dangerous_leniencies(**_LENIENCIES)
         conn.head_bytes = 0
         lines = [f"POST {self.target} HTTP/1.1\r\nHost: {self.host_header}\r\n"
                  f"Accept: */*\r\nAccept-Encoding: gzip, deflate\r\nContent-Length: {len(body)}\r\n"]

@@ -324,3 +324,60 @@ def test_body_buffers_size_classes_reuse_bound_and_trim() -> None:
     assert (b.reused, b.kept, len(v)) == (1, 2 * 2_621_440, 2_000_000)
     b.give(b"not ours")  # ignored
     assert b.trim(3600) == 0 and b.trim(0) == 2 * 2_621_440 and b.kept == 0
+
+
+def test_answers_aiohttp_parsed_leniently_still_parse() -> None:
+    # aiohttp's client (the engine client before engine_http) parses answers with llhttp's lenient
+    # headers, optional CR before LF and spaces after a chunk size; an engine or proxy sending
+    # these got its answers through, so they must not turn into failed samples now.
+    chunked_space = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%x  \r\n" % len(BODY) + BODY
+                     + b"\r\n0\r\n\r\n")
+    cases = [
+        b"HTTP/1.1 200 OK\ncontent-length: %d\n\n" % len(BODY) + BODY,  # bare LF line ends
+        ok(extra=b"x-folded: a\r\n  b\r\n"),  # obsolete line folding
+        b"HTTP/1.1 200 OK\r\ncontent-length : %d\r\n\r\n" % len(BODY) + BODY,  # space before the colon
+        chunked_space,
+    ]
+
+    async def main() -> None:
+        async with Script(cases) as s:
+            pool, held = pool_for(s.url)
+            for _ in cases:
+                status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+                assert (status, bytes(body)) == (200, BODY)
+                pool.recycle(body)
+            assert held[0] == 0
+            await pool.close()
+    run(main())
+
+
+def test_101_switching_protocols_is_a_bad_response() -> None:
+    # The gateway asks for no upgrade: a 101 is not an answer to its request. It was let out of
+    # buffer_updated (asyncio's "Fatal error: protocol.buffer_updated() call failed", the request
+    # re-forwarded as if the connection had broken).
+    answer = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: Upgrade\r\n\r\n" + ok()
+
+    async def main() -> None:
+        async with Script([answer, ok()]) as s:
+            pool, held = pool_for(s.url)
+            with pytest.raises(BadResponse, match="101"):
+                await pool.post(b"{}", {}, limit=1 << 20)
+            status, body, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body), reused) == (200, BODY, False)
+            assert held[0] == 0
+            await pool.close()
+    run(main())
+
+
+def test_url_path_is_percent_encoded_in_the_request_line() -> None:
+    # urlsplit leaves a space or a non-ASCII letter of engine.url's path as it is; sent raw it
+    # breaks the request line (uvicorn answers 400 "Invalid HTTP request received"). aiohttp
+    # percent-encoded them (UTF-8); %-escapes already in the URL stay as they are.
+    async def main() -> None:
+        async with Script([ok()]) as s:
+            pool, _ = pool_for(f"http://127.0.0.1:{s.port}/my pre/caf\u00e9%20x/v1/completions")
+            status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body)) == (200, BODY)
+            assert s.requests[0][1].startswith(b"POST /my%20pre/caf%C3%A9%20x/v1/completions HTTP/1.1\r\n")
+            await pool.close()
+    run(main())
