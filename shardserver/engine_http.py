@@ -339,9 +339,9 @@ class _Connection(asyncio.BufferedProtocol):
             x.length = None  # Transfer-Encoding wins over Content-Length (RFC 9112 6.3)
         enc = x.encoding
         if enc in (b"gzip", b"x-gzip"):
-            x.inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            x.inflater = _Inflater(gzip=True)
         elif enc == b"deflate":
-            x.inflater = _Deflate()
+            x.inflater = _Inflater(gzip=False)
         elif enc not in (b"", b"identity"):
             raise BadResponse(f"Content-Encoding {enc[:40].decode('latin-1')!r}, which the gateway did not offer")
         if x.length is not None and x.length > x.limit:
@@ -426,20 +426,53 @@ class _Stop(Exception):
     """Stops httptools' feed at a second answer to one request (raised from a callback)."""
 
 
-class _Deflate:
-    """``Content-Encoding: deflate``: zlib-wrapped as RFC 9110 says, or raw DEFLATE as some
-    servers send it; decided by the first byte."""
+class _Inflater:
+    """``Content-Encoding: gzip`` or ``deflate`` (zlib-wrapped as RFC 9110 says, or raw DEFLATE as
+    some servers send it; decided by the first byte). A body may hold several members back to
+    back (RFC 1952 2.2: a server that compresses each write on its own): each is decoded by a
+    fresh decompressor, as aiohttp's client does."""
 
-    def __init__(self) -> None:
+    # Input fed per call after a member boundary (bytes), doubling up to the maximum: the
+    # decompressor copies what follows its member into ``unused_data``, so handing it the whole
+    # rest at every boundary would be quadratic in the number of members.
+    WINDOW_MIN = 64
+    WINDOW_MAX = 64 * 1024
+
+    def __init__(self, gzip: bool) -> None:
+        self._gzip = gzip
         self._z = None
 
+    def _start(self, first_byte: int) -> None:
+        if self._gzip:
+            wbits = 16 + zlib.MAX_WBITS
+        else:
+            wbits = -zlib.MAX_WBITS if (first_byte & 0x0F) != 8 else zlib.MAX_WBITS
+        self._z = zlib.decompressobj(wbits)
+
     def decompress(self, data: bytes, max_length: int) -> bytes:
-        if self._z is None:
-            if not data:
-                return b""
-            raw = (data[0] & 0x0F) != 8
-            self._z = zlib.decompressobj(-zlib.MAX_WBITS if raw else zlib.MAX_WBITS)
-        return self._z.decompress(data, max_length)
+        """The decoded bytes of ``data`` (at most ``max_length`` >= 1; when the output stops
+        there, the rest of the input is dropped and :attr:`unconsumed_tail` is set or the
+        output is ``max_length`` long). Raises ``zlib.error`` for bytes that do not decode."""
+        view = memoryview(data)
+        pos, n, parts = 0, 0, []
+        window = len(view)  # the whole input until a member ends within it
+        while pos < len(view) and n < max_length:
+            if self._z is None or self._z.eof:
+                if self._z is not None:
+                    window = self.WINDOW_MIN
+                self._start(view[pos])
+            end = min(pos + window, len(view))
+            piece = self._z.decompress(view[pos:end], max_length - n)
+            parts.append(piece)
+            n += len(piece)
+            if self._z.eof:
+                pos = end - len(self._z.unused_data)
+            elif self._z.unconsumed_tail:
+                break
+            else:
+                pos = end
+                window = min(window * 2, max(self.WINDOW_MAX, window))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @property
     def unconsumed_tail(self) -> bytes:

@@ -381,3 +381,52 @@ def test_url_path_is_percent_encoded_in_the_request_line() -> None:
             assert s.requests[0][1].startswith(b"POST /my%20pre/caf%C3%A9%20x/v1/completions HTTP/1.1\r\n")
             await pool.close()
     run(main())
+
+
+def test_concatenated_gzip_and_deflate_members_decode_whole() -> None:
+    # RFC 1952: a gzip body may be several members back to back (a server that compresses each
+    # write on its own). Only the first member was decoded: the body came back cut short, silently
+    # (aiohttp decoded every member).
+    cut = [0, 100, 1000, len(BODY)]
+    members = b"".join(gzip.compress(BODY[a:b]) for a, b in zip(cut, cut[1:]))
+    gzipped = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(members) + members
+    chunked = (b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n"
+               + b"".join(b"%x\r\n%s\r\n" % (len(members[i:i + 50]), members[i:i + 50]) for i in range(0, len(members), 50))
+               + b"0\r\n\r\n")
+    zmembers = zlib.compress(BODY[:1000]) + zlib.compress(BODY[1000:])
+    deflated = b"HTTP/1.1 200 OK\r\ncontent-encoding: deflate\r\ncontent-length: %d\r\n\r\n" % len(zmembers) + zmembers
+    # a second member cut short, and bytes after a member that are no member at all
+    half = members[:len(members) - 20]
+    cut_short = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(half) + half
+    junk = gzip.compress(BODY) + b"junk!"
+    junk_after = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(junk) + junk
+
+    async def main() -> None:
+        async with Script([gzipped, chunked, deflated, cut_short, junk_after]) as s:
+            pool, held = pool_for(s.url)
+            for _ in range(3):
+                status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+                assert (status, bytes(body)) == (200, BODY)
+            with pytest.raises(Broken, match="compressed body ends early"):
+                await pool.post(b"{}", {}, limit=1 << 20)
+            with pytest.raises(BadResponse, match="does not decompress"):
+                await pool.post(b"{}", {}, limit=1 << 20)
+            assert held[0] == 0
+            await pool.close()
+    run(main())
+
+
+def test_concatenated_members_count_against_the_limit() -> None:
+    limit = 64 * 1024
+    members = gzip.compress(b" " * 60_000) + gzip.compress(b" " * 60_000)
+    answer = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(members) + members
+
+    async def main() -> None:
+        async with Script([answer]) as s:
+            pool, held = pool_for(s.url)
+            with pytest.raises(BodyTooLarge) as e:
+                await pool.post(b"{}", {}, limit=limit)
+            assert e.value.declared is None and e.value.got == limit + 1
+            assert held[0] == 0
+            await pool.close()
+    run(main())
