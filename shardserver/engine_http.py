@@ -12,8 +12,10 @@ that size, which the decoder parses as is. One copy, from the kernel.
 
 Everything else HTTP allows still works, on a slower path: ``Transfer-Encoding: chunked``,
 bodies delimited by the connection closing, ``Content-Encoding: gzip``/``deflate`` (offered in
-``Accept-Encoding``, like aiohttp's client), interim ``1xx`` responses. The header section is
-parsed by ``httptools`` (llhttp, the parser uvicorn and aiohttp use).
+``Accept-Encoding``, like aiohttp's client; every member of a concatenated body), interim ``1xx``
+responses. The header section is parsed by ``httptools`` (llhttp, the parser uvicorn and aiohttp
+use), with the leniencies aiohttp's client parser allows (bare LF line ends, lax header lines,
+spaces after a chunk size).
 
 Used by :class:`shardserver.engine_client.EngineClient` for ``http://`` engines; an
 ``https://`` engine keeps aiohttp. Failures are reported as :class:`ConnectFailed`,
