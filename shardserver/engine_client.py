@@ -65,7 +65,7 @@ import json
 import logging
 import random
 import time
-from typing import Any, Callable, MutableMapping
+from typing import Any, Awaitable, Callable, MutableMapping
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -339,10 +339,9 @@ class EngineClient:
             if ids is not None:
                 hdrs["X-Request-Id"] = ids.next()
             try:
-                if self._pool is not None:
-                    status, data = await self._attempt_pool(body, hdrs, fresh)
-                else:
-                    status, data = await self._attempt(self._fresh if fresh else self._session, body, hdrs)
+                status, data = await self._timed(
+                    self._attempt_pool(body, hdrs, fresh) if self._pool is not None
+                    else self._attempt(self._fresh if fresh else self._session, body, hdrs))
             except _Broken as exc:
                 if exc.reused and exc.no_response and not fresh:
                     # The engine closed an idle keep-alive connection as we reused it: nothing ran.
@@ -397,35 +396,27 @@ class EngineClient:
         """One attempt through :class:`EnginePool` (``http://`` engines): (status, body), or
         raises _Broken / EngineError. A 2xx body is a ``memoryview`` of exactly its size over a
         receive buffer; it stays counted in :attr:`answer_bytes` until :meth:`release`."""
-        cfg = self.cfg
-        limit = cfg.max_body_bytes
+        limit = self.cfg.max_body_bytes
         try:
-            async with asyncio.timeout(cfg.timeout_s) as deadline:
-                try:
-                    status, data, _ = await self._pool.post(body, hdrs, limit=limit, fresh=fresh)  # type: ignore[union-attr]
-                except ConnectFailed as exc:
-                    raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
-                                  no_response=True, reused=False) from None
-                except Broken as exc:
-                    if exc.answered:
-                        raise _Broken(f"engine connection broke while reading the response: {mask_urls_in(str(exc))}",
-                                      no_response=False, reused=exc.reused) from None
-                    raise _Broken(f"engine connection broke before the response: {mask_urls_in(str(exc))}",
-                                  no_response=True, reused=exc.reused) from None
-                except BodyTooLarge as exc:
-                    if exc.declared is not None:
-                        raise EngineError(f"engine body of {exc.declared} bytes exceeds engine.max_body_bytes={limit}",
-                                          status=exc.status, category="server") from None
-                    raise EngineError(f"engine body exceeds engine.max_body_bytes={limit} (stopped reading after "
-                                      f"{exc.got} bytes)", status=exc.status, category="server") from None
-                except BadResponse as exc:
-                    raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
-                                      category="server") from None
-        except TimeoutError:
-            if not deadline.expired():
-                raise
-            raise EngineError(f"engine timed out after {cfg.timeout_s} s (engine.timeout_s)",
-                              status=None, category="server") from None
+            status, data, _ = await self._pool.post(body, hdrs, limit=limit, fresh=fresh)  # type: ignore[union-attr]
+        except ConnectFailed as exc:
+            raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
+                          no_response=True, reused=False) from None
+        except Broken as exc:
+            if exc.answered:
+                raise _Broken(f"engine connection broke while reading the response: {mask_urls_in(str(exc))}",
+                              no_response=False, reused=exc.reused) from None
+            raise _Broken(f"engine connection broke before the response: {mask_urls_in(str(exc))}",
+                          no_response=True, reused=exc.reused) from None
+        except BodyTooLarge as exc:
+            if exc.declared is not None:
+                raise EngineError(f"engine body of {exc.declared} bytes exceeds engine.max_body_bytes={limit}",
+                                  status=exc.status, category="server") from None
+            raise EngineError(f"engine body exceeds engine.max_body_bytes={limit} (stopped reading after "
+                              f"{exc.got} bytes)", status=exc.status, category="server") from None
+        except BadResponse as exc:
+            raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
+                              category="server") from None
         if status < 400:
             self._returned += len(data)
             return status, data
@@ -437,37 +428,43 @@ class EngineClient:
                        hdrs: dict[str, str]) -> tuple[int, bytes]:
         """One aiohttp attempt (``https://`` engines) on one connection: (status, body bytes),
         or raises _Broken / EngineError."""
-        cfg = self.cfg
         trace = _TraceCtx()
         answered = False
         try:
-            async with asyncio.timeout(cfg.timeout_s) as deadline:
-                try:
-                    async with session.post(self.url, data=body, headers=hdrs, trace_request_ctx=trace) as resp:
-                        answered = True
-                        limit = cfg.max_body_bytes
-                        if resp.content_length is not None and resp.content_length > limit:
-                            raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
-                                              f"engine.max_body_bytes={limit}", status=resp.status, category="server")
-                        # 2xx bodies stay counted until the caller's release(); error bodies are read here only
-                        return resp.status, await self._receive(resp, limit, keep=resp.status < 400)
-                except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
-                    raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
-                                  no_response=True, reused=False) from None
-                except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                    what = str(exc) or type(exc).__name__
-                    if answered:
-                        raise _Broken(f"engine connection broke while reading the response: {mask_urls_in(what)}",
-                                      no_response=False, reused=trace.reused) from None
-                    raise _Broken(f"engine connection broke before the response: {mask_urls_in(what)}",
-                                  no_response=True, reused=trace.reused) from None
-                except aiohttp.ClientError as exc:
-                    raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
-                                      category="server") from None
+            async with session.post(self.url, data=body, headers=hdrs, trace_request_ctx=trace) as resp:
+                answered = True
+                limit = self.cfg.max_body_bytes
+                if resp.content_length is not None and resp.content_length > limit:
+                    raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
+                                      f"engine.max_body_bytes={limit}", status=resp.status, category="server")
+                # 2xx bodies stay counted until the caller's release(); error bodies are read here only
+                return resp.status, await self._receive(resp, limit, keep=resp.status < 400)
+        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
+            raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
+                          no_response=True, reused=False) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            what = str(exc) or type(exc).__name__
+            if answered:
+                raise _Broken(f"engine connection broke while reading the response: {mask_urls_in(what)}",
+                              no_response=False, reused=trace.reused) from None
+            raise _Broken(f"engine connection broke before the response: {mask_urls_in(what)}",
+                          no_response=True, reused=trace.reused) from None
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
+                              category="server") from None
+
+    async def _timed(self, attempt: Awaitable[tuple[int, Any]]) -> tuple[int, Any]:
+        """Await one attempt within ``engine.timeout_s`` (connecting, sending, waiting for and
+        reading the answer); past it, the attempt is cancelled (its connection closed, so vLLM
+        aborts the request) and EngineError is raised."""
+        timeout_s = self.cfg.timeout_s
+        try:
+            async with asyncio.timeout(timeout_s) as deadline:
+                return await attempt
         except TimeoutError:
             if not deadline.expired():
                 raise
-            raise EngineError(f"engine timed out after {cfg.timeout_s} s (engine.timeout_s)",
+            raise EngineError(f"engine timed out after {timeout_s} s (engine.timeout_s)",
                               status=None, category="server") from None
 
     @property
@@ -530,7 +527,10 @@ class EngineClient:
         if self._pool is not None:
             self._pool.recycle(data)
 
-    def trim_buffers(self, idle_s: float) -> int:
-        """Free the receive buffers kept for reuse that no answer used for ``idle_s`` seconds;
-        returns the bytes freed (0 for an ``https://`` engine, which keeps none)."""
-        return self._pool.buffers.trim(idle_s) if self._pool is not None else 0
+    def sweep(self, buffer_idle_s: float) -> None:
+        """Periodic upkeep (``http://`` engines; aiohttp keeps its own for ``https://``): free the
+        receive buffers kept for reuse that no answer used for ``buffer_idle_s`` seconds, and
+        close the idle connections older than ``engine.pool_idle_s``."""
+        if self._pool is not None:
+            self._pool.buffers.trim(buffer_idle_s)
+            self._pool.close_idle()

@@ -161,14 +161,14 @@ class BodyBuffers:
         buf = self._out.pop(id(owner), None) if owner is not None else None
         if buf is None:
             return
-        if self.kept + buf.size <= self.keep_bytes:
-            self._free.setdefault(buf.size, []).append((time.monotonic(), buf))
-            self.kept += buf.size
         if isinstance(data, memoryview):
             try:
                 data.release()  # a later use fails loudly instead of reading another answer
-            except BufferError:
-                pass
+            except BufferError:  # something still reads it: never hand this buffer out again
+                return
+        if self.kept + buf.size <= self.keep_bytes:
+            self._free.setdefault(buf.size, []).append((time.monotonic(), buf))
+            self.kept += buf.size
 
     def trim(self, idle_s: float) -> int:
         """Free the kept buffers unused for ``idle_s`` seconds or more; returns the bytes freed."""
@@ -561,7 +561,7 @@ class EnginePool:
         return None
 
     async def post(self, body: bytes, headers: Mapping[str, str], *, limit: int,
-                   fresh: bool = False) -> tuple[int, bytearray, bool]:
+                   fresh: bool = False) -> tuple[int, memoryview, bool]:
         """POST ``body`` to the pool's URL and read the whole answer.
 
         Args:
@@ -583,11 +583,24 @@ class EnginePool:
             Broken: the connection ended before the answer was complete.
             BadResponse: the answer is not valid HTTP/1.x (or cannot be decoded).
             BodyTooLarge: the body passes ``limit``.
+            ValueError: a header name or value holds a line break (nothing is sent).
             asyncio.CancelledError: when cancelled (e.g. by the caller's timeout), the connection
                 is closed, which makes vLLM abort the request.
         """
         if self._closed:
             raise ConnectFailed("the engine client is closed")
+        lines = [f"POST {self.target} HTTP/1.1\r\nHost: {self.host_header}\r\n"
+                 f"Accept: */*\r\nAccept-Encoding: gzip, deflate\r\nContent-Length: {len(body)}\r\n"]
+        if fresh:
+            lines.append("Connection: close\r\n")
+        if self.auth is not None:
+            lines.append(f"Authorization: {self.auth}\r\n")
+        for k, v in headers.items():
+            if "\r" in v or "\n" in v or "\r" in k or "\n" in k:
+                raise ValueError(f"header field {k!r} holds a line break")
+            lines.append(f"{k}: {v}\r\n")
+        lines.append("\r\n")
+        head = "".join(lines).encode("latin-1")
         conn = None if fresh else self._take_idle()
         if conn is None:
             conn = await self._connect()
@@ -599,18 +612,9 @@ class EnginePool:
         conn.parser = httptools.HttpResponseParser(conn)
         conn.parser.set_dangerous_leniencies(**_LENIENCIES)
         conn.head_bytes = 0
-        lines = [f"POST {self.target} HTTP/1.1\r\nHost: {self.host_header}\r\n"
-                 f"Accept: */*\r\nAccept-Encoding: gzip, deflate\r\nContent-Length: {len(body)}\r\n"]
-        if fresh:
-            lines.append("Connection: close\r\n")
-        if self.auth is not None:
-            lines.append(f"Authorization: {self.auth}\r\n")
-        for k, v in headers.items():
-            lines.append(f"{k}: {v}\r\n")
-        lines.append("\r\n")
         try:
             try:
-                conn.transport.write("".join(lines).encode("latin-1"))
+                conn.transport.write(head)
                 if body:
                     conn.transport.write(body)
             except (RuntimeError, OSError) as exc:  # a transport closed under us
@@ -628,6 +632,9 @@ class EnginePool:
             raise
         conn.x = None
         conn.parser = None
+        if len(conn.head) > _HEAD_READ:  # the larger reads of a body without Content-Length are over
+            conn.head = bytearray(_HEAD_READ)
+            conn.head_view = memoryview(conn.head)
         self.on_bytes(-x.received)
         if fresh or conn.closed or conn.dirty or not x.keep_alive or self._closed:
             conn._drop()
@@ -636,6 +643,21 @@ class EnginePool:
             self._idle.append(conn)
         body_out = x.body if isinstance(x.body, memoryview) else memoryview(x.body)
         return x.status, body_out, reused
+
+    def close_idle(self) -> int:
+        """Close the idle connections unused for ``idle_s`` seconds or more (also done lazily when
+        a request looks for one); returns how many were closed. Called periodically, so that an
+        engine or proxy that never closes idle connections does not keep up to ``pool_size`` of
+        them open."""
+        cutoff = time.monotonic() - self.idle_s
+        q = self._idle
+        n = 0
+        while q and (q[0].closed or q[0].idle_since < cutoff):  # oldest first
+            conn = q.popleft()
+            if not conn.closed:
+                conn._drop()
+                n += 1
+        return n
 
     def recycle(self, body: object) -> None:
         """The caller is done with a body :meth:`post` returned: its buffer may be reused."""

@@ -1107,7 +1107,7 @@ class EncoderProc:
                 core.sweep()
                 # Receive buffers no answer used for a while, then engine answers freed after a
                 # burst that stay in glibc's heap: give them back.
-                engine.trim_buffers(BUFFER_IDLE_S)
+                engine.sweep(BUFFER_IDLE_S)
                 if trimmer.maybe_trim():
                     core.counters["heap_trims"] += 1
 

@@ -430,3 +430,54 @@ def test_concatenated_members_count_against_the_limit() -> None:
             assert held[0] == 0
             await pool.close()
     run(main())
+
+
+def test_idle_connections_are_closed_by_the_sweep_and_read_buffers_shrink_back() -> None:
+    chunked = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY))
+
+    async def main() -> None:
+        async with Script([chunked, ok()]) as s:
+            pool, _ = pool_for(s.url, idle_s=0.05)
+            await pool.post(b"{}", {}, limit=1 << 20)
+            (conn,) = pool._all
+            assert len(conn.head) == 16 * 1024  # the 256 KiB reads of the chunked body are over
+            assert pool.close_idle() == 0  # not idle long enough yet
+            await asyncio.sleep(0.1)
+            assert pool.close_idle() == 1
+            for _ in range(100):  # the engine sees the connection end
+                if s.eofs:
+                    break
+                await asyncio.sleep(0.01)
+            assert s.eofs == 1 and not pool._all
+            _, body, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (bytes(body), reused, s.connections) == (BODY, False, 2)
+            await pool.close()
+    run(main())
+
+
+def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent() -> None:
+    async def main() -> None:
+        async with Script([ok()]) as s:
+            pool, _ = pool_for(s.url)
+            with pytest.raises(ValueError, match="X-Session-ID"):
+                await pool.post(b"{}", {"X-Session-ID": "s\r\nX-Evil: 1"}, limit=1 << 20)
+            assert s.connections == 0 and not pool._all
+            _, body, _ = await pool.post(b"{}", {"X-Session-ID": "s"}, limit=1 << 20)
+            assert bytes(body) == BODY and s.requests[0][1].count(b"X-Session-ID: s\r\n") == 1
+            await pool.close()
+    run(main())
+
+
+def test_a_buffer_still_read_elsewhere_is_never_handed_out_again() -> None:
+    import struct
+
+    b = BodyBuffers(keep_bytes=1 << 30)
+    v = b.take(100_000)
+    reader = struct.iter_unpack("<Q", v)  # something still reads the answer: it holds an export of the view
+    b.give(v)
+    assert b.kept == 0  # not kept: a later answer would overwrite what the reader sees
+    w = b.take(100_000)
+    assert (b.allocated, b.reused) == (2, 0) and len(w) == 100_000
+    del reader
+    b.give(w)  # released cleanly: kept
+    assert b.kept == BodyBuffers.size_class(100_000)
