@@ -384,7 +384,9 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _end_body(self) -> None:
         x = self.x
-        if x.inflater is not None:
+        # An empty body is empty whatever its Content-Encoding says (an empty 503/413/204 from a
+        # proxy that labels every answer gzip): no compressed stream began, so none ended early.
+        if x.inflater is not None and x.inflater.started:
             try:
                 rest = x.inflater.flush()
             except zlib.error as exc:
@@ -479,6 +481,11 @@ class _Inflater:
     @property
     def unconsumed_tail(self) -> bytes:
         return self._z.unconsumed_tail if self._z is not None else b""
+
+    @property
+    def started(self) -> bool:
+        """Whether any body byte has been fed (a compressed stream began)."""
+        return self._z is not None
 
     @property
     def eof(self) -> bool:

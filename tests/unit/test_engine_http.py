@@ -481,3 +481,34 @@ def test_a_buffer_still_read_elsewhere_is_never_handed_out_again() -> None:
     del reader
     b.give(w)  # released cleanly: kept
     assert b.kept == BodyBuffers.size_class(100_000)
+
+
+def test_an_empty_body_with_a_content_encoding_is_an_empty_body() -> None:
+    # A proxy or router that labels every answer ``Content-Encoding: gzip`` sends some of them with
+    # no body at all (an empty 503, 413 or 204; Content-Length 0, a chunked body of only the last
+    # chunk, or a close right after the header section). Such a body was reported as a compressed
+    # body cut short (Broken: re-forwarded for engine.unavailable_budget_s instead of the answer's
+    # own outcome); aiohttp's client took it as an empty body, as RFC 9110 allows.
+    answers = [
+        b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-encoding: gzip\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-encoding: deflate\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 204 No Content\r\ncontent-encoding: gzip\r\n\r\n",
+        b"HTTP/1.1 400 Bad Request\r\ncontent-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        ok(),
+        ("close", b"HTTP/1.1 502 Bad Gateway\r\ncontent-encoding: gzip\r\n\r\n"),
+    ]
+
+    async def main() -> None:
+        async with Script(answers) as s:
+            pool, held = pool_for(s.url)
+            for want in (413, 503, 204, 400):
+                status, body, reused = await pool.post(b"{}", {}, limit=1 << 20)
+                assert (status, bytes(body)) == (want, b"")
+            status, body, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body), reused) == (200, BODY, True)  # the same connection all along
+            pool.recycle(body)
+            status, body, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body)) == (502, b"")
+            assert held[0] == 0 and s.connections == 1
+            await pool.close()
+    run(main())
