@@ -26,8 +26,10 @@ still unavailable after the budget               fails (``engine_budget_exhauste
 HTTP 4xx (other: vLLM's JSON error envelope)     fails                                        user
 HTTP 400 "Out of range float values" (NaN),      fails (the engine ran it, the path is ours,  server
 404/405 ``{"detail": ...}`` (wrong engine path), or a proxy refused the gateway's request:
-a 4xx that is not JSON (a proxy's HTML page, a   not the user's fault)
-router's plain text, empty)
+401/403/407 (the gateway's credentials: vLLM's   not the user's fault)
+``--api-key``, an auth proxy), a 4xx that is
+not JSON (a proxy's HTML page, a router's plain
+text, empty)
 HTTP 5xx (other)                                 fails                                        server
 no answer within ``engine.timeout_s`` of being   fails (the engine may be running it)         server
 sent; body over ``engine.max_body_bytes``
@@ -90,6 +92,10 @@ NEVER_RAN_STATUSES = (408, 429, 503)
 # the gateway re-forwards when it meets them itself. vLLM's own 500 (its JSON error envelope,
 # e.g. a GenerationError) stays final.
 _PROXY_STATUSES = (502,)
+# Statuses about the gateway's own credentials, never about a sample: vLLM's ``--api-key``
+# middleware answers 401 ``{"error":"Unauthorized"}`` (JSON, like its errors for a bad parameter),
+# an ingress or auth proxy 401, 403 or 407. The deployment is at fault: category server.
+_CREDENTIAL_STATUSES = (401, 403, 407)
 _ROUTER_TRANSPORT_500 = (b"Request failed: ", b"Failed to get response body")
 
 
@@ -365,7 +371,8 @@ class EngineClient:
                     # comes from a proxy or router in between (nginx's 413 for a large body, a
                     # router refusing the gateway's JSON): the deployment's fault, not the user's.
                     from_vllm = data.lstrip()[:1] == b"{"
-                    user = 400 <= status < 500 and _NAN_MARK not in reason and not wrong_path and from_vllm
+                    user = (400 <= status < 500 and _NAN_MARK not in reason and not wrong_path and from_vllm
+                            and status not in _CREDENTIAL_STATUSES)
                     raise EngineError(reason, status=status, category="user" if user else "server")
             # Not answered: re-forward with backoff while the budget lasts.
             now = time.monotonic()

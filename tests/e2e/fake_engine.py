@@ -18,8 +18,9 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
 * ``truncate``: the next N completions get the headers (full Content-Length) and half the body,
   then a FIN.
 * ``status`` (+ ``status_body`` = ``vllm`` | ``router`` | ``empty`` | ``proxy`` | ``router_send`` |
-  ``router_read``): answer completions with this HTTP status, for ``status_for_s`` seconds from
+  ``router_read`` | ``auth``): answer completions with this HTTP status, for ``status_for_s`` seconds from
   the first request it answers so (0: until changed). ``proxy`` is nginx's HTML error page;
+  ``auth`` is vLLM's ``{"error":"Unauthorized"}`` (``vllm serve --api-key``, a request without the key);
   ``router_send`` and ``router_read`` are vllm-router's plain-text bodies for a worker it could not
   reach (``Request failed: ...``) or whose body broke (``Failed to get response body: ...``).
 * ``pad_bytes``: the next completion's body is followed by this many spaces (still valid JSON),
@@ -68,7 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
     "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "script": None, "pad_bytes": 0, "pad_how": "chunked",
 }
-PHRASES = {200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 413: "Request Entity Too Large",
+PHRASES = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout", 413: "Request Entity Too Large",
            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
 EOS = 151643
 # Qwen's special tokens: their text appears in the output only with skip_special_tokens false.
@@ -251,6 +252,8 @@ class _Server:
                 await self.send(writer, status, f"<html>\r\n<head><title>{title}</title></head>\r\n"
                                 f"<body>\r\n<center><h1>{title}</h1></center>\r\n"
                                 "<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n".encode(), "text/html")
+            elif kind == "auth":  # vLLM's --api-key middleware (AuthenticationMiddleware)
+                await self.send(writer, status, b'{"error":"Unauthorized"}')
             elif kind in ("router_send", "router_read"):
                 what = ("Request failed: error sending request for url (http://10.0.0.7:8000/v1/completions)"
                         if kind == "router_send" else "Failed to get response body: error decoding response body")

@@ -285,6 +285,29 @@ def test_a_proxy_4xx_page_is_a_server_fault_not_the_users():
         assert [e["action"] for e in completions(eng)] == ["status"] * 3
 
 
+def test_an_engine_refusing_the_gateways_credentials_is_a_server_fault_not_the_users():
+    """vLLM started with ``--api-key`` (or an ingress checking its own key) answers every request
+    of a gateway without that key 401 ``{"error":"Unauthorized"}``: JSON, like vLLM's errors for a
+    bad parameter, but about the gateway's deployment, never about the sample, so the sample fails
+    with category server; so does a 403. Before: category user (the SDK logs a user error)."""
+    with FakeEngine(status=401, status_body="auth") as eng, gateway(eng.url) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid, _ = submit(api, ssid, 114, 0)
+        st, _, b = retrieve(api, rid)
+        assert st == 200 and json.loads(b) == {"error": "engine returned HTTP 401: Unauthorized",
+                                               "category": "server"}
+        eng.configure(status=403)
+        rid, _ = submit(api, ssid, 114, 1)
+        st, _, b = retrieve(api, rid)
+        assert st == 200 and json.loads(b) == {"error": "engine returned HTTP 403: Unauthorized",
+                                               "category": "server"}
+        assert [e["action"] for e in completions(eng)] == ["status"] * 2  # final: not re-forwarded
+        eng.configure(status=None)
+        rid, prompt = submit(api, ssid, 114, 2)
+        assert_result(*retrieve(api, rid), prompt, 2)
+
+
 def test_an_engine_that_aborts_every_request_fails_samples_after_the_budget():
     """vLLM answering ``finish_reason: abort`` to everything (a weight sync that never ends, an
     engine paused for good): each future is re-forwarded engine.max_abort_resubmits times and
