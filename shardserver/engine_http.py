@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import sys
 import time
 import zlib
 from typing import Callable, Mapping, MutableMapping
@@ -166,6 +167,11 @@ class BodyBuffers:
                 data.release()  # a later use fails loudly instead of reading another answer
             except BufferError:  # something still reads it: never hand this buffer out again
                 return
+        # A slice of the view (``data[a:b]``) is no export of it: it shares the view's managed
+        # buffer, which then still holds the array. Beyond this frame's name and getrefcount's
+        # argument, any reference means the bytes are still read somewhere.
+        if sys.getrefcount(owner) > 2:
+            return
         if self.kept + buf.size <= self.keep_bytes:
             self._free.setdefault(buf.size, []).append((time.monotonic(), buf))
             self.kept += buf.size

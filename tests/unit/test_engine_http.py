@@ -512,3 +512,21 @@ def test_an_empty_body_with_a_content_encoding_is_an_empty_body() -> None:
             assert held[0] == 0 and s.connections == 1
             await pool.close()
     run(main())
+
+
+def test_a_buffer_whose_view_was_sliced_is_never_handed_out_again() -> None:
+    # A slice of the answer's memoryview (``body[a:b]``, kept in a message or parsed later) does not
+    # count as an export of the view: release() succeeded, the buffer went back to the free list,
+    # and the next answer written into it changed the bytes the slice still showed.
+    b = BodyBuffers(keep_bytes=1 << 30)
+    v = b.take(100_000)
+    v[:8] = b"answer-1"
+    head = v[:8]
+    b.give(v)
+    assert b.kept == 0  # not kept: the slice still reads this buffer
+    w = b.take(100_000)
+    w[:8] = b"answer-2"
+    assert bytes(head) == b"answer-1" and (b.allocated, b.reused) == (2, 0)
+    del head
+    b.give(w)
+    assert b.kept == BodyBuffers.size_class(100_000)
