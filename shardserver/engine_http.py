@@ -157,7 +157,8 @@ class BodyBuffers:
 
     def give(self, data: object) -> None:
         """Take back a view :meth:`take` returned (anything else is ignored). The view must not
-        be used afterwards: its bytes will be overwritten by a later answer."""
+        be used afterwards: its bytes will be overwritten by a later answer. A buffer still read
+        elsewhere (an export of the view, a slice of it, its array) is dropped instead of kept."""
         owner = getattr(data, "obj", None)
         buf = self._out.pop(id(owner), None) if owner is not None else None
         if buf is None:
