@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
-import sys
 import time
+import weakref
 import zlib
 from typing import Callable, Mapping, MutableMapping
 from urllib.parse import quote, unquote, urlsplit
@@ -163,15 +163,16 @@ class BodyBuffers:
         buf = self._out.pop(id(owner), None) if owner is not None else None
         if buf is None:
             return
+        # A slice of the view (``data[a:b]``) is no export of it: release() succeeds, but the
+        # slice shares the view's managed buffer, which then keeps the array alive.
+        array = weakref.ref(owner)
+        del owner
         if isinstance(data, memoryview):
             try:
                 data.release()  # a later use fails loudly instead of reading another answer
             except BufferError:  # something still reads it: never hand this buffer out again
                 return
-        # A slice of the view (``data[a:b]``) is no export of it: it shares the view's managed
-        # buffer, which then still holds the array. Beyond this frame's name and getrefcount's
-        # argument, any reference means the bytes are still read somewhere.
-        if sys.getrefcount(owner) > 2:
+        if array() is not None:  # a slice, or the array itself, is still read somewhere
             return
         if self.kept + buf.size <= self.keep_bytes:
             self._free.setdefault(buf.size, []).append((time.monotonic(), buf))
