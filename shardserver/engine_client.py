@@ -35,6 +35,11 @@ no answer within ``engine.timeout_s`` of being   fails (the engine may be runnin
 sent; body over ``engine.max_body_bytes``
 =============================================== ============================================ ==========
 
+Retry-After: a re-forwarded answer (429 or 503 from a router or vLLM's admission control, 408,
+502) that carries ``Retry-After`` (seconds or an HTTP-date) waits that long before the next
+attempt when it is longer than the backoff, never past the budget
+(``engine_retry_after_waits``).
+
 Budget: the client keeps the engine's outage: the time of the first failure since the last
 answer (any HTTP answer that is not a re-forwardable one ends it, and so does a successful
 health probe while no request is being re-forwarded). A request gives up once it has kept
@@ -62,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import email.utils
 import functools
 import json
 import logging
@@ -110,6 +116,26 @@ def engine_did_not_answer(status: int, body: bytes) -> bool:
 # 50-100 % so that the requests of one outage do not come back in lockstep.
 _BACKOFF_FIRST_S = 0.1
 _BACKOFF_MAX_S = 2.0
+
+
+def retry_after_s(value: bytes | str | None, now: float | None = None) -> float | None:
+    """Seconds to wait that an HTTP ``Retry-After`` field asks for (RFC 9110 10.2.3): a
+    non-negative integer of seconds, or an HTTP-date (then its distance from ``now``, unix
+    seconds, default the current time, and never negative). None for a missing or unreadable field.
+    """
+    if value is None:
+        return None
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    text = text.strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def engine_error_message(status: int, body: bytes) -> str:
@@ -344,10 +370,11 @@ class EngineClient:
         while True:
             if ids is not None:
                 hdrs["X-Request-Id"] = ids.next()
+            meta: dict[str, Any] = {}  # the answer's Retry-After, if any
             try:
                 status, data = await self._timed(
-                    self._attempt_pool(body, hdrs, fresh) if self._pool is not None
-                    else self._attempt(self._fresh if fresh else self._session, body, hdrs))
+                    self._attempt_pool(body, hdrs, fresh, meta) if self._pool is not None
+                    else self._attempt(self._fresh if fresh else self._session, body, hdrs, meta))
             except _Broken as exc:
                 if exc.reused and exc.no_response and not fresh:
                     # The engine closed an idle keep-alive connection as we reused it: nothing ran.
@@ -395,17 +422,25 @@ class EngineClient:
                                   f"(engine.unavailable_budget_s = {cfg.unavailable_budget_s:g}); last: {reason}",
                                   status=status, category="server")
             self.counters["engine_reforwards"] += 1
-            await asyncio.sleep(min(backoff * random.uniform(0.5, 1.0), left))
+            wait = backoff * random.uniform(0.5, 1.0)
+            asked = retry_after_s(meta.get("retry_after")) if status is not None else None
+            if asked is not None and asked > wait:
+                # A router or admission control said when to come back (429/503 + Retry-After):
+                # wait that long, within what is left of the budget.
+                self.counters["engine_retry_after_waits"] += 1
+                wait = asked
+            await asyncio.sleep(min(wait, left))
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
             fresh = False
 
-    async def _attempt_pool(self, body: bytes, hdrs: dict[str, str], fresh: bool) -> tuple[int, bytes | memoryview]:
+    async def _attempt_pool(self, body: bytes, hdrs: dict[str, str], fresh: bool,
+                            meta: dict[str, Any]) -> tuple[int, bytes | memoryview]:
         """One attempt through :class:`EnginePool` (``http://`` engines): (status, body), or
         raises _Broken / EngineError. A 2xx body is a ``memoryview`` of exactly its size over a
         receive buffer; it stays counted in :attr:`answer_bytes` until :meth:`release`."""
         limit = self.cfg.max_body_bytes
         try:
-            status, data, _ = await self._pool.post(body, hdrs, limit=limit, fresh=fresh)  # type: ignore[union-attr]
+            status, data, _ = await self._pool.post(body, hdrs, limit=limit, fresh=fresh, meta=meta)  # type: ignore[union-attr]
         except ConnectFailed as exc:
             raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
                           no_response=True, reused=False) from None
@@ -432,7 +467,7 @@ class EngineClient:
         return status, out
 
     async def _attempt(self, session: aiohttp.ClientSession, body: bytes,
-                       hdrs: dict[str, str]) -> tuple[int, bytes]:
+                       hdrs: dict[str, str], meta: dict[str, Any]) -> tuple[int, bytes]:
         """One aiohttp attempt (``https://`` engines) on one connection: (status, body bytes),
         or raises _Broken / EngineError."""
         trace = _TraceCtx()
@@ -440,6 +475,7 @@ class EngineClient:
         try:
             async with session.post(self.url, data=body, headers=hdrs, trace_request_ctx=trace) as resp:
                 answered = True
+                meta["retry_after"] = resp.headers.get("Retry-After")
                 limit = self.cfg.max_body_bytes
                 if resp.content_length is not None and resp.content_length > limit:
                     raise EngineError(f"engine body of {resp.content_length} bytes exceeds "

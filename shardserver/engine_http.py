@@ -198,7 +198,7 @@ class _Exchange:
 
     __slots__ = ("waiter", "limit", "status", "headers_done", "interim", "length", "body", "got",
                  "direct", "inflater", "complete", "keep_alive", "error", "received", "chunked",
-                 "encoding")
+                 "encoding", "retry_after")
 
     def __init__(self, waiter: asyncio.Future, limit: int) -> None:
         self.waiter = waiter
@@ -217,6 +217,7 @@ class _Exchange:
         self.keep_alive = True
         self.error: BaseException | None = None
         self.received = 0  # bytes of this answer received (header section included)
+        self.retry_after: bytes | None = None  # the answer's Retry-After field, as sent
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -332,6 +333,8 @@ class _Connection(asyncio.BufferedProtocol):
             x.chunked = b"chunked" in value.lower()
         elif n == b"content-encoding":
             x.encoding = value.strip().lower()
+        elif n == b"retry-after":
+            x.retry_after = value.strip()
 
     def on_headers_complete(self) -> None:
         x = self.x
@@ -339,7 +342,7 @@ class _Connection(asyncio.BufferedProtocol):
         status = p.get_status_code()
         if 100 <= status < 200:  # interim answer (100 Continue, 103 Early Hints): the real one follows
             x.interim = True
-            x.length, x.chunked, x.encoding = None, False, b""
+            x.length, x.chunked, x.encoding, x.retry_after = None, False, b"", None
             return
         x.interim = False
         x.status = status
@@ -576,7 +579,7 @@ class EnginePool:
         return None
 
     async def post(self, body: bytes, headers: Mapping[str, str], *, limit: int,
-                   fresh: bool = False) -> tuple[int, memoryview, bool]:
+                   fresh: bool = False, meta: dict[str, object] | None = None) -> tuple[int, memoryview, bool]:
         """POST ``body`` to the pool's URL and read the whole answer.
 
         Args:
@@ -585,6 +588,8 @@ class EnginePool:
             limit: the most (decoded) body bytes to accept.
             fresh: use a new connection and close it afterwards (after a reused connection
                 failed before any answer).
+            meta: if given, receives ``"retry_after"``: the answer's ``Retry-After`` field
+                (``bytes`` as sent, or None).
 
         Returns:
             ``(status, body, reused)``: the final status, the decoded body, and whether the
@@ -656,6 +661,8 @@ class EnginePool:
         else:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
+        if meta is not None:
+            meta["retry_after"] = x.retry_after
         body_out = x.body if isinstance(x.body, memoryview) else memoryview(x.body)
         return x.status, body_out, reused
 

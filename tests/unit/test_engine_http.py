@@ -4,13 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import email.utils
 import gzip
+import time
 import zlib
 from typing import Any
 
 import pytest
 import uvloop
 
+from shardserver.config import EngineConfig
+from shardserver.engine_client import EngineClient, retry_after_s
+from shardserver.errors import EngineError
 from shardserver.engine_http import (MAX_HEAD_BYTES, BadResponse, BodyBuffers, BodyTooLarge, Broken,
                                      ConnectFailed, EnginePool)
 
@@ -30,6 +36,7 @@ class Script:
     def __init__(self, answers: list[Any]) -> None:
         self.answers = answers
         self.requests: list[tuple[int, bytes, bytes]] = []
+        self.times: list[float] = []  # when each request arrived (monotonic seconds)
         self.connections = 0
         self.eofs = 0
         self.server: asyncio.base_events.Server | None = None
@@ -61,6 +68,7 @@ class Script:
                 body = await r.readexactly(n)
                 i = len(self.requests)
                 self.requests.append((conn, head, body))
+                self.times.append(time.monotonic())
                 a = self.answers[i]
                 close = False
                 if isinstance(a, tuple):
@@ -530,3 +538,34 @@ def test_a_buffer_whose_view_was_sliced_is_never_handed_out_again() -> None:
     del head
     b.give(w)
     assert b.kept == BodyBuffers.size_class(100_000)
+
+
+def test_retry_after_field_values() -> None:
+    now = 1_767_225_600.0
+    assert retry_after_s(b"3") == 3.0 and retry_after_s(" 0 ") == 0.0
+    assert retry_after_s(email.utils.formatdate(now + 7, usegmt=True), now=now) == 7.0
+    assert retry_after_s(email.utils.formatdate(now - 7, usegmt=True), now=now) == 0.0  # a date gone by
+    assert [retry_after_s(v) for v in (None, b"", b"-1", b"1.5", b"soon")] == [None] * 5
+
+
+def test_reforwarded_answer_waits_as_long_as_its_retry_after_asks_within_the_budget() -> None:
+    busy = b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-length: 14\r\n\r\nqueue is full\n"
+    never = b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 3600\r\ncontent-length: 2\r\n\r\n{}"
+
+    async def main() -> None:
+        async with Script([busy, ok(), never, never, never]) as s:
+            client = EngineClient(dataclasses.replace(EngineConfig(), unavailable_budget_s=1.5), s.url)
+            await client.start()
+            data = await client.post(b"{}", {})
+            assert bytes(data) == BODY
+            client.release(data)
+            assert s.times[1] - s.times[0] >= 1.0  # the backoff alone would have been 0.05-0.1 s
+            assert client.counters["engine_retry_after_waits"] == 1
+            # Retry-After past the budget: waits what is left of it, then fails; never an hour.
+            t0 = time.monotonic()
+            with pytest.raises(EngineError, match="unavailable_budget_s = 1.5"):
+                await client.post(b"{}", {})
+            assert time.monotonic() - t0 < 10 and len(s.requests) == 4
+            assert client.answer_bytes == 0
+            await client.close()
+    run(main())
