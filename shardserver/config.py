@@ -144,6 +144,9 @@ class EngineConfig:
     url: str = ""
     # Model name sent to the engine; empty means the sampling session's base_model.
     model: str = ""
+    # The engine's API key (``vllm serve --api-key``): sent as ``Authorization: Bearer <key>`` with
+    # every completion request and probe. Empty: none. A secret: masked in logs and config dumps.
+    api_key: str = ""
     # One engine request, from the moment it has a connection slot (waiting for one not included).
     timeout_s: float = 900.0
     connect_timeout_s: float = 5.0
@@ -191,6 +194,11 @@ class EngineConfig:
                    parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname) and port_ok
                    and not parts.query and not parts.fragment,
                    "must be empty (embedded simulator) or an http(s)://host[:port][/path] URL")
+        if self.url and self.api_key:
+            _check("***", "engine.api_key", "@" not in urlsplit(self.url).netloc,
+                   "cannot be combined with credentials in engine.url (one Authorization header per request)")
+        _check("***", "engine.api_key", self.api_key.isascii() and self.api_key.isprintable()
+               and self.api_key.strip() == self.api_key, "must be printable ASCII without surrounding spaces")
         _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
         _check(self.pool_size, "engine.pool_size", self.pool_size >= 1, "must be >= 1")

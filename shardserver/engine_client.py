@@ -351,6 +351,8 @@ class EngineClient:
         """
         assert self._pool is not None or self._session is not None, "EngineClient.start() was not called"
         hdrs = {"Content-Type": "application/json", **headers}
+        if self.cfg.api_key:
+            hdrs["Authorization"] = f"Bearer {self.cfg.api_key}"
         retrying = [False]
         try:
             return await self._post(body, hdrs, ids, retrying)

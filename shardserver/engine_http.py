@@ -613,7 +613,7 @@ class EnginePool:
                  f"Accept: */*\r\nAccept-Encoding: gzip, deflate\r\nContent-Length: {len(body)}\r\n"]
         if fresh:
             lines.append("Connection: close\r\n")
-        if self.auth is not None:
+        if self.auth is not None and not any(k.lower() == "authorization" for k in headers):
             lines.append(f"Authorization: {self.auth}\r\n")
         for k, v in headers.items():
             if "\r" in v or "\n" in v or "\r" in k or "\n" in k:

@@ -63,9 +63,10 @@ class EngineProbe:
         interval_s: seconds between probes; 0 disables probing (the engine always counts as reachable).
         timeout_s: seconds one probe may take (connect and answer).
         shard: the encoder's shard index, for log lines.
+        api_key: ``engine.api_key``; when set, every probe carries ``Authorization: Bearer <key>``.
     """
 
-    def __init__(self, url: str, interval_s: float, timeout_s: float, shard: int = 0) -> None:
+    def __init__(self, url: str, interval_s: float, timeout_s: float, shard: int = 0, api_key: str = "") -> None:
         self.url = engine_base_url(url) + "/health"
         self.display_url = mask_url(self.url)
         self.models_url = engine_base_url(url) + "/v1/models"
@@ -74,6 +75,8 @@ class EngineProbe:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.shard = shard
+        # vLLM's --api-key guards /v1/* (GET /v1/models) but not /health; sent to both.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.ok: bool | None = True if interval_s <= 0 else None
         self.reason = "engine probing disabled (engine.health_interval_s = 0)" if interval_s <= 0 else \
             "engine not probed yet"
@@ -94,7 +97,7 @@ class EngineProbe:
             return
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1, force_close=True),
-            timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers)
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-probe-{self.shard}")
 

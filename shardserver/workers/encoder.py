@@ -1072,7 +1072,8 @@ class EncoderProc:
         await engine.start()
         from ..health import EngineProbe
 
-        probe = EngineProbe(engine_url, cfg.engine.health_interval_s, cfg.engine.connect_timeout_s, shard)
+        probe = EngineProbe(engine_url, cfg.engine.health_interval_s, cfg.engine.connect_timeout_s, shard,
+                            api_key=cfg.engine.api_key)
         probe.on_ok = engine.probe_ok  # a healthy engine nobody is retrying is no longer "unavailable"
         probe.outage = lambda: engine.unavailable() is not None  # probe every DOWN_PROBE_S meanwhile
         engine.on_answer = probe.kick  # an answered request re-runs a failed probe at once

@@ -27,6 +27,8 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
   sent ``how`` = ``"chunked"`` (``Transfer-Encoding: chunked``, 1 MiB chunks, no Content-Length) or
   ``"gzip"`` (``Content-Encoding: gzip``, Content-Length of the compressed bytes) in
   ``pad_how``.
+* ``api_key``: like ``vllm serve --api-key``: every ``/v1/*`` request without
+  ``Authorization: Bearer <api_key>`` gets 401 ``{"error":"Unauthorized"}`` (``/health`` is open).
 * ``abort``: the next N completions end with ``finish_reason: "abort"`` (a partial sample).
 * ``model``, ``max_model_len``: what ``GET /v1/models`` reports and what the bodies are
   rendered with (prompt + max_tokens over the window: vLLM's 400).
@@ -67,7 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "delay_s": 0.0, "gather": 0, "reset_reused": False, "idle_close_s": 0.0, "drop_before_response": 0,
     "drop_how": "close",
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
-    "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "script": None, "pad_bytes": 0, "pad_how": "chunked",
+    "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "api_key": None, "script": None, "pad_bytes": 0, "pad_how": "chunked",
 }
 PHRASES = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout", 413: "Request Entity Too Large",
            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
@@ -186,6 +188,12 @@ class _Server:
                         k, v = ln.split(":", 1)
                         hdrs[k.strip().lower()] = v.strip()
                 body = await reader.readexactly(int(hdrs.get("content-length", "0") or 0))
+                key = self.cfg["api_key"]
+                if key and path.startswith("/v1/") and hdrs.get("authorization") != f"Bearer {key}":
+                    # vllm serve --api-key: /v1/* needs the key (/health does not)
+                    self.log.append({"path": path, "status": 401})
+                    await self.send(writer, 401, b'{"error":"Unauthorized"}')
+                    continue
                 if path == "/v1/completions" and method == "POST":
                     keep = await self.completion(conn, nth, hdrs, body, writer)
                 else:

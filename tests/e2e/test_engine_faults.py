@@ -308,6 +308,35 @@ def test_an_engine_refusing_the_gateways_credentials_is_a_server_fault_not_the_u
         assert_result(*retrieve(api, rid), prompt, 2)
 
 
+def test_engine_api_key_is_sent_as_a_bearer_token_to_completions_and_probes():
+    """``engine.api_key`` for a vLLM started with ``--api-key`` (every ``/v1/*`` request needs
+    ``Authorization: Bearer <key>``): completions sample exactly, the probe learns the context
+    window from ``GET /v1/models``, and no request is refused. Without the key, the sample fails
+    as a server fault. Before: no such key, so the only way in was Basic credentials in the URL,
+    which vLLM refuses."""
+    with FakeEngine(api_key="sk-test-1") as eng, gateway(eng.url, api_key="sk-test-1") as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid, prompt = submit(api, ssid, 115, 0)
+        assert_result(*retrieve(api, rid), prompt, 0)
+        end = time.monotonic() + 10
+        while _shard_models(s) != [{"Qwen/Qwen3-8B": 65536}] and time.monotonic() < end:
+            time.sleep(0.1)
+        assert _shard_models(s) == [{"Qwen/Qwen3-8B": 65536}]
+        assert not [e for e in eng.log() if e.get("status") == 401]
+        assert not [ln for ln in s.log_lines if "sk-test-1" in ln]  # a secret: never logged
+    with FakeEngine(api_key="sk-test-1") as eng, gateway(eng.url) as s:
+        api = Api(s.url)
+        rid, _ = submit(api, api.sampling_session(), 115, 1)
+        st, _, b = retrieve(api, rid)
+        assert st == 200 and json.loads(b) == {"error": "engine returned HTTP 401: Unauthorized",
+                                               "category": "server"}
+
+
+def _shard_models(s: RunningServer) -> list[dict]:
+    return [sh["engine"]["models"] for sh in s.stats()["shards"]]
+
+
 def test_an_engine_that_aborts_every_request_fails_samples_after_the_budget():
     """vLLM answering ``finish_reason: abort`` to everything (a weight sync that never ends, an
     engine paused for good): each future is re-forwarded engine.max_abort_resubmits times and

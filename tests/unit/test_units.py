@@ -60,6 +60,8 @@ def test_env_overrides_file_values():
     ({"engine": {"pool_wait_s": -1}}, {}, "engine.pool_wait_s"),
     ({}, {"SHARDSERVER_ENGINE__UNAVAILABLE_BUDGET_S": "0"}, "engine.unavailable_budget_s"),
     ({"engine": {"connect_retries": 2}}, {}, "engine.connect_retries"),
+    ({"engine": {"url": "http://u:p@h:8000", "api_key": "sk-1"}}, {}, "engine.api_key"),
+    ({}, {"SHARDSERVER_ENGINE__API_KEY": "sk-1\n"}, "engine.api_key"),
 ])
 def test_invalid_config_names_the_key(data, env, key):
     with pytest.raises(ConfigError) as ei:
