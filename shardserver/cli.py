@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 
 from .config import Config, load_config
@@ -143,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"shardserver: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (``shardserver config --show | head``): no traceback. Point
+        # stdout at /dev/null so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":  # pragma: no cover
