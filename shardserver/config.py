@@ -150,6 +150,10 @@ class EngineConfig:
     # One engine request, from the moment it has a connection slot (waiting for one not included).
     timeout_s: float = 900.0
     connect_timeout_s: float = 5.0
+    # Once an answer's header section has arrived, silence on its connection for this long means
+    # the connection is dead (a partition, a hung proxy): the request is re-forwarded like any
+    # broken connection instead of waiting out timeout_s. 0: no bound (timeout_s only).
+    read_idle_timeout_s: float = 60.0
     # Connections to the engine per encoder.
     pool_size: int = 512
     # Engine answers an encoder may hold received but not yet decoded (bytes; 0 = no bound
@@ -201,6 +205,7 @@ class EngineConfig:
                and self.api_key.strip() == self.api_key, "must be printable ASCII without surrounding spaces")
         _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
+        _check(self.read_idle_timeout_s, "engine.read_idle_timeout_s", self.read_idle_timeout_s >= 0, "must be >= 0")
         _check(self.pool_size, "engine.pool_size", self.pool_size >= 1, "must be >= 1")
         _check(self.answer_budget_bytes, "engine.answer_budget_bytes", self.answer_budget_bytes >= 0, "must be >= 0")
         _check(self.pool_wait_s, "engine.pool_wait_s", self.pool_wait_s > 0, "must be > 0")

@@ -281,7 +281,8 @@ class EngineClient:
             keep = min(self.cfg.answer_budget_bytes // 2, 128 << 20) if self.cfg.answer_budget_bytes else 64 << 20
             self._pool = EnginePool(self.url, connect_timeout_s=self.cfg.connect_timeout_s,
                                     idle_s=self.cfg.pool_idle_s, on_bytes=self._add_unclaimed,
-                                    keep_buffer_bytes=keep, counters=self.counters)
+                                    keep_buffer_bytes=keep, counters=self.counters,
+                                    read_idle_s=self.cfg.read_idle_timeout_s)
             self._counting = True
             return
         # aiohttp's own pool is unbounded: the encoder starts at most engine.pool_size calls, so

@@ -198,7 +198,7 @@ class _Exchange:
 
     __slots__ = ("waiter", "limit", "status", "headers_done", "interim", "length", "body", "got",
                  "direct", "inflater", "complete", "keep_alive", "error", "received", "chunked",
-                 "encoding", "retry_after")
+                 "encoding", "retry_after", "watch")
 
     def __init__(self, waiter: asyncio.Future, limit: int) -> None:
         self.waiter = waiter
@@ -218,6 +218,7 @@ class _Exchange:
         self.error: BaseException | None = None
         self.received = 0  # bytes of this answer received (header section included)
         self.retry_after: bytes | None = None  # the answer's Retry-After field, as sent
+        self.watch: asyncio.TimerHandle | None = None  # the read-idle check (EnginePool._watch)
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -514,6 +515,10 @@ class EnginePool:
             become an ``Authorization: Basic`` header, as aiohttp's client does.
         connect_timeout_s: bound on opening a connection (seconds).
         idle_s: an idle connection older than this is closed instead of reused (seconds).
+        read_idle_s: once an answer's header section has arrived, a connection that then
+            delivers no byte for this long is taken as broken (:class:`Broken`, answered);
+            0: no such bound. Before the header section nothing is bounded here: the engine
+            may generate for minutes before it answers.
         on_bytes: called with the byte count of every read (answer bytes arriving, header
             sections included), and with minus an answer's total once :meth:`post` is done
             with it, so a caller can keep the engine bytes this process holds.
@@ -525,7 +530,7 @@ class EnginePool:
 
     def __init__(self, url: str, *, connect_timeout_s: float, idle_s: float,
                  on_bytes: Callable[[int], None] | None = None, keep_buffer_bytes: int = 64 << 20,
-                 counters: MutableMapping[str, int] | None = None) -> None:
+                 counters: MutableMapping[str, int] | None = None, read_idle_s: float = 0.0) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"EnginePool needs an http:// URL with a host, got scheme {parts.scheme!r}")
@@ -542,6 +547,7 @@ class EnginePool:
             self.auth = "Basic " + base64.b64encode(cred).decode("ascii")
         self.connect_timeout_s = connect_timeout_s
         self.idle_s = idle_s
+        self.read_idle_s = read_idle_s
         self.on_bytes: Callable[[int], None] = on_bytes or (lambda n: None)
         self.buffers = BodyBuffers(keep_buffer_bytes, counters)
         self._idle: collections.deque[_Connection] = collections.deque()
@@ -641,7 +647,13 @@ class EnginePool:
                 raise Broken(str(exc) or type(exc).__name__, answered=False, reused=reused) from None
             if conn.closed and not x.waiter.done():
                 raise Broken("the engine closed the connection", answered=False, reused=reused)
-            await x.waiter
+            if self.read_idle_s > 0:
+                x.watch = loop.call_later(self.read_idle_s, self._watch, conn, x, -1)
+            try:
+                await x.waiter
+            finally:
+                if x.watch is not None:
+                    x.watch.cancel()
             if x.error is not None:
                 raise x.error
         except BaseException:
@@ -665,6 +677,19 @@ class EnginePool:
             meta["retry_after"] = x.retry_after
         body_out = x.body if isinstance(x.body, memoryview) else memoryview(x.body)
         return x.status, body_out, reused
+
+    def _watch(self, conn: _Connection, x: _Exchange, seen: int) -> None:
+        """Every ``read_idle_s`` while an answer is awaited: once its header section has arrived,
+        fail the exchange if no byte came since the last look (a silent peer: a partition, a
+        hung proxy)."""
+        if x.waiter.done() or conn.x is not x:
+            return
+        if x.headers_done and not x.interim and x.received == seen:
+            conn._fail(Broken(f"no answer byte for {self.read_idle_s:g} s after {x.got} body bytes "
+                              f"(engine.read_idle_timeout_s)", answered=True, reused=conn.requests > 1))
+            return
+        x.watch = asyncio.get_running_loop().call_later(self.read_idle_s, self._watch, conn, x,
+                                                        x.received if x.headers_done else -1)
 
     def close_idle(self) -> int:
         """Close the idle connections unused for ``idle_s`` seconds or more (also done lazily when

@@ -569,3 +569,26 @@ def test_reforwarded_answer_waits_as_long_as_its_retry_after_asks_within_the_bud
             assert client.answer_bytes == 0
             await client.close()
     run(main())
+
+
+def test_an_answer_that_goes_silent_after_its_header_section_is_a_broken_connection() -> None:
+    """A partition or a hung proxy mid-answer: the header section and part of the body arrive,
+    then nothing, with the connection still open. Before: only engine.timeout_s (900 s) ended
+    it, and the sample failed; now ``read_idle_s`` of silence makes it a broken connection
+    (re-forwarded by the engine client). A slow engine that has not answered yet is not bounded."""
+    raw = ok()
+    stall = [raw[:200]] + [b""] * 300  # then 3 s of silence, connection open
+    slow_start = [b""] * 60 + [raw]  # 0.6 s before any byte, then the whole answer
+
+    async def main() -> None:
+        async with Script([stall, slow_start]) as s:
+            pool, held = pool_for(s.url, read_idle_s=0.25)
+            t0 = time.monotonic()
+            with pytest.raises(Broken, match=r"no answer byte for 0.25 s after \d+ body bytes") as e:
+                await pool.post(b"{}", {}, limit=1 << 20)
+            assert (e.value.answered, e.value.reused) == (True, False)
+            assert 0.25 <= time.monotonic() - t0 < 2.5 and held[0] == 0
+            status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body)) == (200, BODY)
+            await pool.close()
+    run(main())
