@@ -342,8 +342,8 @@ class EngineClient:
     async def post(self, body: bytes, headers: dict[str, str], ids: AttemptIds | None = None) -> bytes | memoryview:
         """POST ``body`` (JSON bytes) until the engine answers it; return the 2xx response body
         (for ``http://`` engines a ``memoryview`` of exactly its size over a receive buffer that
-        is reused after :meth:`release`; ``bytes`` for ``https://``). They stay counted in :attr:`answer_bytes` until the caller passes their length to
-        :meth:`release`.
+        is reused after :meth:`release`; ``bytes`` for ``https://``). It stays counted in
+        :attr:`answer_bytes` until the caller hands it to :meth:`release`.
 
         ``ids`` gives each attempt its ``X-Request-Id``; without it none is added to ``headers``.
 

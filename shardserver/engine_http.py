@@ -379,13 +379,10 @@ class _Connection(asyncio.BufferedProtocol):
             try:
                 data = x.inflater.decompress(data, x.limit - x.got + 1)
             except zlib.error as exc:
-                raise BadResponse(f"body does not decompress ({x.encoding.decode('latin-1')}): {exc}") from None
+                raise _undecodable(x, exc) from None
             if x.inflater.unconsumed_tail:
                 raise BodyTooLarge(x.status, None, x.got + len(data))
-        x.body += data
-        x.got += len(data)
-        if x.got > x.limit:
-            raise BodyTooLarge(x.status, None, x.got)
+        _append(x, data)
 
     def on_message_complete(self) -> None:
         x = self.x
@@ -401,17 +398,15 @@ class _Connection(asyncio.BufferedProtocol):
         if x.inflater is not None and x.inflater.started:
             try:
                 rest = x.inflater.flush()
+                if not x.inflater.eof:
+                    raise Broken(f"compressed body ends early ({x.got} bytes decoded)", answered=True,
+                                 reused=self.requests > 1)
+                _append(x, rest)
             except zlib.error as exc:
-                self._fail(BadResponse(f"body does not decompress ({x.encoding.decode('latin-1')}): {exc}"))
+                self._fail(_undecodable(x, exc))
                 return
-            if not x.inflater.eof:
-                self._fail(Broken(f"compressed body ends early ({x.got} bytes decoded)", answered=True,
-                                  reused=self.requests > 1))
-                return
-            x.body += rest
-            x.got += len(rest)
-            if x.got > x.limit:
-                self._fail(BodyTooLarge(x.status, None, x.got))
+            except (Broken, BodyTooLarge) as exc:
+                self._fail(exc)
                 return
         x.complete = True
         self._finish()
@@ -436,6 +431,18 @@ class _Connection(asyncio.BufferedProtocol):
             self.closed = True
             if self.transport is not None:
                 self.transport.abort()
+
+
+def _append(x: _Exchange, data: bytes) -> None:
+    """Add decoded body bytes to a body read on the slower path; BodyTooLarge past the limit."""
+    x.body += data  # type: ignore[operator]
+    x.got += len(data)
+    if x.got > x.limit:
+        raise BodyTooLarge(x.status, None, x.got)
+
+
+def _undecodable(x: _Exchange, exc: zlib.error) -> BadResponse:
+    return BadResponse(f"body does not decompress ({x.encoding.decode('latin-1')}): {exc}")
 
 
 class _Stop(Exception):
