@@ -156,12 +156,15 @@ class EngineConfig:
     read_idle_timeout_s: float = 60.0
     # Connections to the engine per encoder.
     pool_size: int = 512
-    # Engine answers an encoder may hold received but not yet decoded (bytes; 0 = no bound
-    # besides pool_size). Beyond it a finished engine call is not replaced, so fewer calls run
-    # (never fewer than min(8, pool_size)); below it each finished call is replaced and one more
-    # may start, up to pool_size again. Bounds the answers that pile up when the engine answers
-    # faster than the encoder decodes (many answers finishing at once).
-    answer_budget_bytes: int = 256 * 1024 * 1024
+    # Engine answer bodies an encoder may hold received but not yet decoded (bytes; 0 = no bound
+    # besides pool_size). http:// engines: a Content-Length body that would pass it waits unread
+    # in its socket (no buffer taken) until decoded ones make room; the engine calls keep
+    # running. https:// engines (aiohttp) and a body larger than the budget: beyond it a
+    # finished engine call is not replaced, so fewer calls run (never fewer than min(8,
+    # pool_size)); below it each finished call is replaced and one more may start, up to
+    # pool_size again. Bounds the answers that pile up when the engine answers faster than the
+    # encoder decodes (many answers finishing at once).
+    answer_budget_bytes: int = 64 * 1024 * 1024
     # Longest wait for one of the pool_size connections; then the future answers 410 (the request
     # never reached the engine) and the SDK resubmits it.
     pool_wait_s: float = 1800.0

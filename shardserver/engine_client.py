@@ -277,12 +277,15 @@ class EngineClient:
     async def start(self) -> None:
         """Open the connection pools (call in the event loop that will use them)."""
         if urlsplit(self.url).scheme == "http":
-            # Receive buffers kept for reuse: half the answer budget, at most 128 MiB (64 MiB without a budget).
-            keep = min(self.cfg.answer_budget_bytes // 2, 128 << 20) if self.cfg.answer_budget_bytes else 64 << 20
+            # Receive buffers, in use and kept for reuse together: the answer budget (the bodies it
+            # admits are the buffers in use) plus a quarter for their size classes' rounding
+            # (at most 1/8), 64 MiB without a budget.
+            keep = self.cfg.answer_budget_bytes * 5 // 4 or 64 << 20
             self._pool = EnginePool(self.url, connect_timeout_s=self.cfg.connect_timeout_s,
                                     idle_s=self.cfg.pool_idle_s, on_bytes=self._add_unclaimed,
                                     keep_buffer_bytes=keep, counters=self.counters,
-                                    read_idle_s=self.cfg.read_idle_timeout_s)
+                                    read_idle_s=self.cfg.read_idle_timeout_s,
+                                    budget_bytes=self.cfg.answer_budget_bytes, held=lambda: self.answer_bytes)
             self._counting = True
             return
         # aiohttp's own pool is unbounded: the encoder starts at most engine.pool_size calls, so
@@ -467,6 +470,7 @@ class EngineClient:
             return status, data
         out = bytes(data)
         self._pool.recycle(data)  # type: ignore[union-attr]
+        self._pool.wake()  # type: ignore[union-attr]
         return status, out
 
     async def _attempt(self, session: aiohttp.ClientSession, body: bytes,
@@ -572,6 +576,19 @@ class EngineClient:
         self._returned -= len(data)
         if self._pool is not None:
             self._pool.recycle(data)
+            self._pool.wake()  # room in engine.answer_budget_bytes: answers waiting unread may come in
+
+    @property
+    def answers_waiting_bytes(self) -> int:
+        """Bytes of :attr:`answer_bytes` held by answers waiting for room (what came with their
+        header sections): the rest is what ``engine.answer_budget_bytes`` bounds."""
+        return self._pool.waiting_bytes if self._pool is not None else 0
+
+    @property
+    def answers_waiting(self) -> int:
+        """Engine answers whose bodies wait unread (left in the socket) for room in
+        ``engine.answer_budget_bytes`` (``http://`` engines; 0 for ``https://``)."""
+        return self._pool.waiting if self._pool is not None else 0
 
     def sweep(self, buffer_idle_s: float) -> None:
         """Periodic upkeep (``http://`` engines; aiohttp keeps its own for ``https://``): free the

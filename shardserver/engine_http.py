@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import mmap
 import time
 import weakref
 import zlib
@@ -107,13 +108,14 @@ class BodyBuffers:
     classes up to twice its size.
 
     Args:
-        keep_bytes: the most bytes of free buffers kept (bytes); buffers given back beyond it
-            are freed. 0 keeps none.
+        keep_bytes: the most bytes of buffers, in use and kept free together (bytes): a buffer
+            given back is kept only while that stays within it, else freed. 0 keeps none.
         counters: where ``engine_buffers_reused`` / ``engine_buffers_new`` (answers that got a
             kept buffer / a new one) are counted, e.g. the encoder's ``ShardCounters``.
 
-    Buffers are uint8 ``numpy`` arrays (uninitialised memory, no zeroing pass); callers see a
-    ``memoryview`` of the answer's length.
+    Buffers are uint8 ``numpy`` arrays over anonymous memory mappings of their own (no zeroing
+    pass of ours; freed, a buffer's pages go straight back to the kernel instead of staying in
+    malloc's heap); callers see a ``memoryview`` of the answer's length.
     """
 
     GRANULE_MIN = 64 * 1024
@@ -122,6 +124,7 @@ class BodyBuffers:
         self.keep_bytes = keep_bytes
         self.counters: MutableMapping[str, int] = counters if counters is not None else collections.Counter()
         self.kept = 0  # bytes of free buffers held
+        self.out = 0  # bytes of buffers handed out by take() and not given back
         self._free: dict[int, list[tuple[float, np.ndarray]]] = {}
         self._out: dict[int, np.ndarray] = {}  # id(view's array) -> its buffer, for give()
         self.reused = 0  # answers that got a kept buffer
@@ -135,7 +138,7 @@ class BodyBuffers:
 
     def take(self, n: int) -> memoryview:
         """A writable ``memoryview`` of ``n`` bytes (format ``B``) over a kept or new buffer."""
-        c = self.size_class(n)
+        c = self.size_class(max(n, 1))  # (a mapping of 0 bytes does not exist)
         buf = None
         cand = c
         while cand <= 2 * c:
@@ -148,11 +151,16 @@ class BodyBuffers:
                 break
             cand = self.size_class(cand + 1)
         if buf is None:
-            buf = np.empty(c, dtype=np.uint8)
+            # A mapping of its own, not malloc: freed, it goes straight back to the kernel. From
+            # malloc's heap, thousands of freed answer buffers stayed resident (glibc raises its
+            # mmap threshold to the largest block freed, so they came from the heap, which then
+            # only shrinks from its top).
+            buf = np.frombuffer(mmap.mmap(-1, c), dtype=np.uint8)
             self.allocated += 1
             self.counters["engine_buffers_new"] += 1
         view = buf[:n]
         self._out[id(view)] = buf
+        self.out += buf.size
         return memoryview(view)
 
     def give(self, data: object) -> None:
@@ -163,6 +171,7 @@ class BodyBuffers:
         buf = self._out.pop(id(owner), None) if owner is not None else None
         if buf is None:
             return
+        self.out -= buf.size
         # A slice of the view (``data[a:b]``) is no export of it: release() succeeds, but the
         # slice shares the view's managed buffer, which then keeps the array alive.
         array = weakref.ref(owner)
@@ -174,7 +183,7 @@ class BodyBuffers:
                 return
         if array() is not None:  # a slice, or the array itself, is still read somewhere
             return
-        if self.kept + buf.size <= self.keep_bytes:
+        if self.kept + self.out + buf.size <= self.keep_bytes:
             self._free.setdefault(buf.size, []).append((time.monotonic(), buf))
             self.kept += buf.size
 
@@ -198,7 +207,7 @@ class _Exchange:
 
     __slots__ = ("waiter", "limit", "status", "headers_done", "interim", "length", "body", "got",
                  "direct", "inflater", "complete", "keep_alive", "error", "received", "chunked",
-                 "encoding", "retry_after", "watch")
+                 "encoding", "retry_after", "watch", "counted", "paused")
 
     def __init__(self, waiter: asyncio.Future, limit: int) -> None:
         self.waiter = waiter
@@ -217,6 +226,10 @@ class _Exchange:
         self.keep_alive = True
         self.error: BaseException | None = None
         self.received = 0  # bytes of this answer received (header section included)
+        # Bytes reported to EnginePool.on_bytes for this answer: what the slower path received,
+        # plus the whole Content-Length of a body admitted to the fast path (reserved up front).
+        self.counted = 0
+        self.paused = False  # the body waits, unread, for room in the answer budget (EnginePool._admit)
         self.retry_after: bytes | None = None  # the answer's Retry-After field, as sent
         self.watch: asyncio.TimerHandle | None = None  # the read-idle check (EnginePool._watch)
 
@@ -232,8 +245,10 @@ class _Connection(asyncio.BufferedProtocol):
         self.idle_since = 0.0
         self.x: _Exchange | None = None
         self.parser: httptools.HttpResponseParser | None = None
-        self.head = bytearray(_HEAD_READ)
-        self.head_view = memoryview(self.head)
+        # The buffer of the read in progress: one of the pool's two read buffers, shared by
+        # every connection (the event loop fills a buffer and calls buffer_updated, which
+        # consumes it, before it asks any connection for a buffer again).
+        self.head_view: memoryview = pool._head_read
         self.body_view: memoryview | None = None
         self.head_bytes = 0  # header-section bytes seen for the current answer
         self.dirty = False  # bytes beyond the answer arrived: never reuse
@@ -245,11 +260,12 @@ class _Connection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         x = self.x
-        if x is not None and x.direct and not x.waiter.done():
+        if x is not None and x.direct and not x.paused and not x.waiter.done():
             return self.body_view[x.got:]  # type: ignore[index]
-        if x is not None and x.headers_done and not x.interim and not x.complete and len(self.head) < _SLOW_READ:
-            self.head = bytearray(_SLOW_READ)  # a body without Content-Length: larger reads
-            self.head_view = memoryview(self.head)
+        if x is not None and x.headers_done and not x.interim and not x.complete and not x.direct:
+            self.head_view = self.pool._slow_read  # a body without Content-Length: larger reads
+        else:
+            self.head_view = self.pool._head_read
         return self.head_view
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -259,18 +275,34 @@ class _Connection(asyncio.BufferedProtocol):
             self._drop()
             return
         x.received += nbytes
-        self.pool.on_bytes(nbytes)
-        if x.direct:
+        if x.direct:  # counted as a whole when admitted (EnginePool._admit)
+            if x.paused:  # a read the event loop made before it saw the pause: keep it aside
+                x.body += self.head_view[:nbytes]  # type: ignore[operator]
+                x.counted += nbytes
+                self.pool.waiting_bytes += nbytes
+                self.pool.on_bytes(nbytes)
             x.got += nbytes
-            if x.got == x.length:
+            if x.got >= x.length:  # type: ignore[operator]
+                if x.got > x.length:  # type: ignore[operator]
+                    self.dirty = True  # bytes beyond the answer: never reuse the connection
+                    del x.body[x.length:]  # type: ignore[union-attr,arg-type]
+                    x.got = x.length  # type: ignore[assignment]
                 self._end_body()
             return
+        x.counted += nbytes
+        self.pool.on_bytes(nbytes)
         try:
             if not x.headers_done:
                 if self.head_bytes >= MAX_HEAD_BYTES:
                     raise BadResponse(f"answer header section over {MAX_HEAD_BYTES} bytes")
                 self.head_bytes += nbytes
+            direct = x.direct
             self.parser.feed_data(self.head_view[:nbytes])  # type: ignore[union-attr]
+            if x.direct and not direct and x.got and not x.paused:
+                # Admitted within this read: the body bytes that came with the header section
+                # were counted with the read and again in the body's reservation.
+                x.counted -= x.got
+                self.pool.on_bytes(-x.got)
         except httptools.HttpParserUpgrade:  # not a parse error in httptools' hierarchy
             if x.complete:  # a second answer after ours
                 self.dirty = True
@@ -360,9 +392,12 @@ class _Connection(asyncio.BufferedProtocol):
             raise BadResponse(f"Content-Encoding {enc[:40].decode('latin-1')!r}, which the gateway did not offer")
         if x.length is not None and x.length > x.limit:
             raise BodyTooLarge(status, x.length, 0)
-        if x.length is not None and x.inflater is None and status not in (204, 304):
-            x.body = self.body_view = self.pool.buffers.take(x.length)
+        if x.length and x.inflater is None and status not in (204, 304):  # (an empty body: nothing to read)
             x.direct = True  # the rest of this read is copied in by on_body, later reads land in place
+            if self.pool._admit(self, x):
+                self.take_buffer()
+            # else: the body waits unread for room (its buffer is taken when admitted; what
+            # arrived with the header section collects in x.body meanwhile)
         if status in (204, 304):
             x.length = 0
 
@@ -372,7 +407,10 @@ class _Connection(asyncio.BufferedProtocol):
             return
         if x.direct:
             n = len(data)
-            self.body_view[x.got:x.got + n] = data  # type: ignore[index]
+            if x.paused:
+                x.body += data  # type: ignore[operator]
+            else:
+                self.body_view[x.got:x.got + n] = data  # type: ignore[index]
             x.got += n
             return
         if x.inflater is not None:
@@ -390,6 +428,15 @@ class _Connection(asyncio.BufferedProtocol):
             x.interim = False
             return
         self._end_body()
+
+    def take_buffer(self) -> None:
+        """Give the admitted ``Content-Length`` body its receive buffer (the bytes that came
+        before, with the header section, are copied in); later reads land in it."""
+        x = self.x
+        view = self.pool.buffers.take(x.length)  # type: ignore[arg-type]
+        if x.got:
+            view[:x.got] = x.body  # type: ignore[index]
+        x.body = self.body_view = view
 
     def _end_body(self) -> None:
         x = self.x
@@ -415,6 +462,10 @@ class _Connection(asyncio.BufferedProtocol):
         x = self.x
         if x is None or x.waiter.done():
             return
+        if x.paused:  # the whole body came with its header section: nothing left to wait for
+            self.pool._unwait(x)
+            if not self.closed:
+                self.transport.resume_reading()  # type: ignore[union-attr]
         self.body_view = None
         x.waiter.set_result(None)
 
@@ -526,9 +577,18 @@ class EnginePool:
             delivers no byte for this long is taken as broken (:class:`Broken`, answered);
             0: no such bound. Before the header section nothing is bounded here: the engine
             may generate for minutes before it answers.
-        on_bytes: called with the byte count of every read (answer bytes arriving, header
-            sections included), and with minus an answer's total once :meth:`post` is done
-            with it, so a caller can keep the engine bytes this process holds.
+        on_bytes: called with the byte count of answer bytes as they arrive (header sections
+            included; a body read into its own buffer is reported as a whole, its
+            ``Content-Length``, when it is admitted), and with minus an answer's total once
+            :meth:`post` is done with it, so a caller can keep the engine bytes this process holds.
+        budget_bytes: the answer bytes this process may hold (bytes; 0: no bound). A
+            ``Content-Length`` body that would take ``held()`` past it is not read yet: its
+            connection stops reading after the header section (the rest stays in the kernel's
+            socket buffer and the engine's) until :meth:`wake` finds room, first come first
+            served. A body is always admitted when nothing else is held, so one larger than the
+            budget still arrives.
+        held: the answer bytes held now (bytes), e.g. ``EngineClient.answer_bytes``; required
+            with ``budget_bytes``.
         keep_buffer_bytes: the most bytes of receive buffers kept for reuse (:class:`BodyBuffers`).
         counters: passed to :class:`BodyBuffers`.
 
@@ -537,7 +597,8 @@ class EnginePool:
 
     def __init__(self, url: str, *, connect_timeout_s: float, idle_s: float,
                  on_bytes: Callable[[int], None] | None = None, keep_buffer_bytes: int = 64 << 20,
-                 counters: MutableMapping[str, int] | None = None, read_idle_s: float = 0.0) -> None:
+                 counters: MutableMapping[str, int] | None = None, read_idle_s: float = 0.0,
+                 budget_bytes: int = 0, held: Callable[[], int] | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"EnginePool needs an http:// URL with a host, got scheme {parts.scheme!r}")
@@ -557,9 +618,83 @@ class EnginePool:
         self.read_idle_s = read_idle_s
         self.on_bytes: Callable[[int], None] = on_bytes or (lambda n: None)
         self.buffers = BodyBuffers(keep_buffer_bytes, counters)
+        # Read buffers shared by all connections (see _Connection.head_view): 16 KiB while a
+        # header section arrives, 256 KiB for a body without Content-Length. One per connection
+        # was 16 KiB of each of up to engine.pool_size engine calls in flight.
+        self._head_read = memoryview(bytearray(_HEAD_READ))
+        self._slow_read = memoryview(bytearray(_SLOW_READ))
+        if budget_bytes and held is None:
+            raise ValueError("budget_bytes needs held")
+        self.budget_bytes = budget_bytes
+        self.held: Callable[[], int] = held or (lambda: 0)
+        # Answers whose bodies wait unread for room in the budget, oldest first (entries whose
+        # exchange ended meanwhile are skipped by wake()).
+        self._waiting: collections.deque[tuple[_Connection, _Exchange]] = collections.deque()
+        # Bytes the waiting answers hold (what came with their header sections, at most one
+        # 16 KiB read each); counted in held() too, but never what keeps a body out.
+        self.waiting_bytes = 0
         self._idle: collections.deque[_Connection] = collections.deque()
         self._all: set[_Connection] = set()
         self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        """Answers whose bodies wait unread for room in ``budget_bytes`` (an upper bound: entries
+        of exchanges that ended meanwhile leave at the next :meth:`wake`)."""
+        return len(self._waiting)
+
+    def _admit(self, conn: _Connection, x: _Exchange) -> bool:
+        """A ``Content-Length`` body is about to be read into its buffer: count it whole and
+        return True, or, when that would pass ``budget_bytes`` while other answers are held (or
+        others already wait), stop reading its connection until :meth:`wake` admits it and
+        return False. A waiting body takes no receive buffer: a kept one is resident memory."""
+        need = x.length or 0
+        if self.budget_bytes and not self._waiting:
+            other = self.held() - self.waiting_bytes - x.counted  # held by the answers let in
+            if other <= 0 or other + need <= self.budget_bytes:
+                self._count(x, need)
+                return True
+        elif not self.budget_bytes:
+            self._count(x, need)
+            return True
+        x.paused = True
+        self.waiting_bytes += x.counted
+        conn.transport.pause_reading()  # type: ignore[union-attr]
+        self._waiting.append((conn, x))
+        self.buffers.counters["engine_answers_waited"] += 1
+        return False
+
+    def _unwait(self, x: _Exchange) -> None:
+        """``x`` stops waiting (admitted, complete, or ended): its bytes leave ``waiting_bytes``."""
+        if x.paused:
+            x.paused = False
+            self.waiting_bytes -= x.counted
+
+    def _count(self, x: _Exchange, n: int) -> None:
+        x.counted += n
+        self.on_bytes(n)
+
+    def wake(self) -> int:
+        """Admit waiting answers, oldest first, while they fit in ``budget_bytes`` (the first
+        always when nothing else is held), and let their connections read again. Call whenever
+        held answer bytes drop; returns how many were admitted."""
+        q = self._waiting
+        n = 0
+        while q:
+            conn, x = q[0]
+            if conn.x is not x or not x.paused or conn.closed or x.waiter.done():
+                q.popleft()
+                continue
+            other = self.held() - self.waiting_bytes  # held by the answers let in
+            if other > 0 and other + (x.length or 0) > self.budget_bytes:
+                break
+            q.popleft()
+            self._unwait(x)
+            self._count(x, (x.length or 0) - x.got)  # what came with the header section is counted
+            conn.take_buffer()
+            conn.transport.resume_reading()  # type: ignore[union-attr]
+            n += 1
+        return n
 
     def _forget(self, conn: _Connection) -> None:
         self._all.discard(conn)
@@ -609,7 +744,8 @@ class EnginePool:
             connection had carried an earlier request. The body is a ``memoryview`` (format
             ``B``) of exactly its length: over a :class:`BodyBuffers` buffer for a
             ``Content-Length`` identity body (hand it back with :meth:`recycle` when done), else
-            over a ``bytearray``.
+            over a ``bytearray``. With ``budget_bytes``, ``held()`` must count the body from
+            here until the caller is done with it, and the caller then calls :meth:`wake`.
 
         Raises:
             ConnectFailed: no connection could be opened.
@@ -666,15 +802,17 @@ class EnginePool:
         except BaseException:
             conn.x = None
             conn._drop()
-            self.on_bytes(-x.received)
+            self._unwait(x)
+            self.on_bytes(-x.counted)
             self.buffers.give(x.body)
+            if self._waiting:
+                self.wake()
             raise
         conn.x = None
         conn.parser = None
-        if len(conn.head) > _HEAD_READ:  # the larger reads of a body without Content-Length are over
-            conn.head = bytearray(_HEAD_READ)
-            conn.head_view = memoryview(conn.head)
-        self.on_bytes(-x.received)
+        # The body now counts as the caller's (held() must still include it): the caller calls
+        # wake() once it is done with it.
+        self.on_bytes(-x.counted)
         if fresh or conn.closed or conn.dirty or not x.keep_alive or self._closed:
             conn._drop()
         else:
@@ -691,12 +829,13 @@ class EnginePool:
         hung proxy)."""
         if x.waiter.done() or conn.x is not x:
             return
-        if x.headers_done and not x.interim and x.received == seen:
+        # (a paused body, waiting for room in budget_bytes, is not read on purpose: not judged)
+        if not x.paused and x.headers_done and not x.interim and x.received == seen:
             conn._fail(Broken(f"no answer byte for {self.read_idle_s:g} s after {x.got} body bytes "
                               f"(engine.read_idle_timeout_s)", answered=True, reused=conn.requests > 1))
             return
-        x.watch = asyncio.get_running_loop().call_later(self.read_idle_s, self._watch, conn, x,
-                                                        x.received if x.headers_done else -1)
+        x.watch = asyncio.get_running_loop().call_later(
+            self.read_idle_s, self._watch, conn, x, x.received if x.headers_done and not x.paused else -1)
 
     def close_idle(self) -> int:
         """Close the idle connections unused for ``idle_s`` seconds or more (also done lazily when

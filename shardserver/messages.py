@@ -320,7 +320,10 @@ class StatsReply(_Message, kw_only=True, omit_defaults=False):
         engine_call_limit: how many may run now: ``engine.pool_size``, less while the engine
             answers held undecoded pass ``engine.answer_budget_bytes``.
         engine_queued: pending futures waiting for an engine connection.
-        engine_answer_bytes: engine answers received (or being received) and not yet decoded (bytes).
+        engine_answer_bytes: engine answers received (or being received) and not yet decoded (bytes);
+            a ``Content-Length`` body counts whole from the moment it is admitted.
+        engine_answers_waiting: engine answers whose bodies wait unread in their sockets for room
+            in ``engine.answer_budget_bytes``.
         engine_unavailable: the engine outage its engine calls are riding out, None when the
             engine answers.
     """
@@ -341,6 +344,7 @@ class StatsReply(_Message, kw_only=True, omit_defaults=False):
     engine_call_limit: int = 0
     engine_queued: int = 0
     engine_answer_bytes: int = 0
+    engine_answers_waiting: int = 0
     engine_unavailable: EngineOutage | None = None
 
 

@@ -429,6 +429,9 @@ class ShardGaugeCollector:
         limit = GaugeMetricFamily("shardserver_engine_call_limit",
                                   "Engine calls the encoder may run now: engine.pool_size, less while its held "
                                   "engine answers pass engine.answer_budget_bytes.", labels=["shard"])
+        waiting = GaugeMetricFamily("shardserver_engine_answers_waiting",
+                                    "Engine answers whose bodies wait unread in their sockets for room in "
+                                    "engine.answer_budget_bytes.", labels=["shard"])
         for r in self.replies:
             s = str(r.get("shard", "?"))
             ok = "error" not in r
@@ -453,7 +456,8 @@ class ShardGaugeCollector:
             calls.add_metric([s, "queued"], float(r.get("engine_queued", 0)))
             answers.add_metric([s], float(r.get("engine_answer_bytes", 0)))
             limit.add_metric([s], float(r.get("engine_call_limit", 0)))
-        return [up, engine, outage, futures, size, used, reserved, free, req_bytes, calls, answers, limit]
+            waiting.add_metric([s], float(r.get("engine_answers_waiting", 0)))
+        return [up, engine, outage, futures, size, used, reserved, free, req_bytes, calls, answers, limit, waiting]
 
 
 def render(shard_replies: list[dict[str, Any]]) -> bytes:

@@ -607,7 +607,9 @@ class EncoderCore:
         queued calls."""
         self.engine_calls -= 1
         if self.answer_budget:
-            held = self.engine.answer_bytes
+            # (an http:// engine's answers wait unread for room in the budget: what they hold
+            # meanwhile, at most one read each, never holds calls back)
+            held = self.engine.answer_bytes - getattr(self.engine, "answers_waiting_bytes", 0)
             if held > self.answer_budget:
                 if self.engine_call_limit > self.min_engine_calls:
                     self.engine_call_limit -= 1
@@ -962,6 +964,7 @@ class EncoderCore:
             engine_call_limit=self.engine_call_limit,
             engine_queued=len(self.engine_queue) - self._queue_stale,
             engine_answer_bytes=getattr(self.engine, "answer_bytes", 0),
+            engine_answers_waiting=getattr(self.engine, "answers_waiting", 0),
             # An ongoing outage seen by the engine calls themselves (None: the engine answers).
             engine_unavailable=getattr(self.engine, "unavailable", lambda: None)(),
         )

@@ -327,7 +327,9 @@ def test_body_buffers_size_classes_reuse_bound_and_trim() -> None:
     assert [len(v) for v in views] == [2_420_940] * 4 and b.allocated == 4
     for v in views:
         b.give(v)
-    assert b.kept == 3 * 2_621_440  # the fourth was over keep_bytes: freed
+        assert b.kept + b.out <= 3 * 262144 * 10  # buffers in use and kept stay within keep_bytes
+    # the first given back was freed (with three still out, keeping it would pass keep_bytes)
+    assert b.kept == 3 * 2_621_440 and b.out == 0
     v = b.take(2_000_000)  # a smaller answer within twice its class takes a kept buffer
     assert (b.reused, b.kept, len(v)) == (1, 2 * 2_621_440, 2_000_000)
     b.give(b"not ours")  # ignored
@@ -440,6 +442,19 @@ def test_concatenated_members_count_against_the_limit() -> None:
     run(main())
 
 
+def test_connections_share_the_pools_read_buffers() -> None:
+    """Up to engine.pool_size connections: each used to keep a 16 KiB read buffer of its own."""
+    async def main() -> None:
+        async with Script([ok()] * 3) as s:
+            pool, _ = pool_for(s.url)
+            bodies = await asyncio.gather(*(pool.post(b"{}", {}, limit=1 << 20) for _ in range(3)))
+            assert [bytes(b) for _, b, _ in bodies] == [BODY] * 3 and len(pool._all) == 3
+            views = [c.get_buffer(-1) for c in pool._all]
+            assert all(v.obj is views[0].obj and len(v) == 16 * 1024 for v in views)
+            await pool.close()
+    run(main())
+
+
 def test_idle_connections_are_closed_by_the_sweep_and_read_buffers_shrink_back() -> None:
     chunked = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY))
 
@@ -448,7 +463,7 @@ def test_idle_connections_are_closed_by_the_sweep_and_read_buffers_shrink_back()
             pool, _ = pool_for(s.url, idle_s=0.05)
             await pool.post(b"{}", {}, limit=1 << 20)
             (conn,) = pool._all
-            assert len(conn.head) == 16 * 1024  # the 256 KiB reads of the chunked body are over
+            assert len(conn.get_buffer(-1)) == 16 * 1024  # the 256 KiB reads of the chunked body are over
             assert pool.close_idle() == 0  # not idle long enough yet
             await asyncio.sleep(0.1)
             assert pool.close_idle() == 1
@@ -590,5 +605,143 @@ def test_an_answer_that_goes_silent_after_its_header_section_is_a_broken_connect
             assert 0.25 <= time.monotonic() - t0 < 2.5 and held[0] == 0
             status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
             assert (status, bytes(body)) == (200, BODY)
+            await pool.close()
+    run(main())
+
+
+BIG = b'{"choices":[{"index":0,"token_ids":[' + b",".join(b"%d" % (i % 50000) for i in range(180_000)) + b"]}]}"
+
+
+def budget_pool(url: str, budget: int, **kw: Any) -> tuple[EnginePool, list[int]]:
+    """A pool whose ``held()`` is what its connections counted plus the bodies the test holds
+    (the test adds a body to ``held[0]`` when post returns it and takes it off when done)."""
+    held = [0]
+
+    def on_bytes(n: int) -> None:
+        held[0] += n
+
+    return EnginePool(url, connect_timeout_s=2.0, idle_s=4.0, on_bytes=on_bytes, budget_bytes=budget,
+                      held=lambda: held[0], **kw), held
+
+
+def test_answers_past_the_budget_wait_unread_in_their_sockets_until_room() -> None:
+    """Three ~1 MB answers arrive together with room for one: the second and third stop after
+    their header sections (their bodies stay in the sockets) and come in one at a time, oldest
+    first, as the held bodies are given back. Before: all three were read at once."""
+    assert len(BIG) > 1_000_000
+
+    async def main() -> None:
+        async with Script([ok(BIG)] * 3) as s:
+            pool, held = budget_pool(s.url, budget=1_500_000)
+            peak = [0]
+            order: list[int] = []
+
+            async def one(i: int) -> tuple[int, bytes]:
+                status, body, _ = await pool.post(b"{}", {}, limit=1 << 24)
+                held[0] += len(body)  # the caller's, until done
+                order.append(i)
+                peak[0] = max(peak[0], held[0])
+                await asyncio.sleep(0.15)  # "decoding"
+                out = bytes(body)
+                held[0] -= len(body)
+                pool.recycle(body)
+                pool.wake()
+                return status, out
+
+            tasks = [asyncio.create_task(one(i)) for i in range(3)]
+            await asyncio.sleep(0.1)
+            # one body admitted and read; two wait after their header sections, mostly unread
+            assert len(order) == 1 and pool.waiting == 2
+            conns = [c for c in pool._all if c.x is not None]
+            assert len(conns) == 2 and all(c.x.paused and c.x.got < 64 * 1024 for c in conns)
+            assert all(c.body_view is None for c in conns)  # no receive buffer taken while waiting
+            assert held[0] < 1_500_000
+            results = await asyncio.gather(*tasks)
+            assert results == [(200, BIG)] * 3
+            assert sorted(order) == [0, 1, 2] and peak[0] <= 1_500_000
+            assert pool.buffers.counters["engine_answers_waited"] == 2 and pool.waiting == 0
+            assert held[0] == 0
+            await pool.close()
+    run(main())
+
+
+def test_a_waiting_answer_is_not_taken_for_a_silent_connection_and_can_be_cancelled() -> None:
+    """A body left unread on purpose (waiting for room) is not judged by ``read_idle_s``; a
+    waiting request cancelled by its caller closes its connection and frees nothing twice."""
+
+    async def main() -> None:
+        async with Script([ok(BIG)] * 3) as s:
+            pool, held = budget_pool(s.url, budget=1_500_000, read_idle_s=0.1)
+            status, first, _ = await pool.post(b"{}", {}, limit=1 << 24)
+            held[0] += len(first)
+            second = asyncio.create_task(pool.post(b"{}", {}, limit=1 << 24))
+            third = asyncio.create_task(pool.post(b"{}", {}, limit=1 << 24))
+            await asyncio.sleep(0.5)  # five read_idle_s periods with both waiting
+            assert not second.done() and not third.done() and pool.waiting == 2
+            third.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await third
+            held[0] -= len(first)
+            pool.recycle(first)
+            pool.wake()
+            status, body, _ = await asyncio.wait_for(second, 5)
+            assert (status, bytes(body)) == (200, BIG) and pool.waiting == 0
+            assert held[0] == 0  # the cancelled one's header bytes were taken off too
+            pool.recycle(body)
+            await pool.close()
+    run(main())
+
+
+def test_an_answer_larger_than_the_budget_is_read_when_nothing_else_is_held() -> None:
+    async def main() -> None:
+        async with Script([ok(BIG)]) as s:
+            pool, held = budget_pool(s.url, budget=100_000)
+            status, body, _ = await pool.post(b"{}", {}, limit=1 << 24)
+            assert (status, bytes(body)) == (200, BIG) and pool.buffers.counters["engine_answers_waited"] == 0
+            await pool.close()
+    run(main())
+
+
+def test_engine_client_holds_no_more_answer_bytes_than_its_budget() -> None:
+    """EngineClient with engine.answer_budget_bytes = 2.5 MB and eight ~1 MB answers arriving
+    together, each held 50 ms by its caller: the bytes held never pass the budget (plus the
+    header-section reads), every body arrives exact. Before: all eight were read at once
+    (a peak of ~8 MB)."""
+
+    async def main() -> None:
+        async with Script([ok(BIG)] * 8) as s:
+            cfg = dataclasses.replace(EngineConfig(), answer_budget_bytes=2_500_000, pool_size=8)
+            client = EngineClient(cfg, f"http://127.0.0.1:{s.port}")
+            await client.start()
+
+            async def one() -> bytes:
+                data = await client.post(b"{}", {})
+                await asyncio.sleep(0.05)
+                out = bytes(data)
+                client.release(data)
+                return out
+
+            bodies = await asyncio.gather(*(one() for _ in range(8)))
+            assert bodies == [BIG] * 8
+            assert client.answer_bytes_peak <= 2_500_000 + 8 * 16 * 1024
+            assert client.counters["engine_answers_waited"] >= 5
+            assert client.answer_bytes == 0 and client.answers_waiting == 0
+            await client.close()
+    run(main())
+
+
+def test_an_empty_content_length_body_is_an_empty_answer() -> None:
+    """``Content-Length: 0`` (a router's empty 429/503): an empty body, then the next answer on
+    the same connection. Before: taking a receive buffer of 0 bytes (a 0-byte mapping) failed
+    the answer as "not an HTTP/1.1 answer"."""
+    empty = b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 0\r\n\r\n"
+
+    async def main() -> None:
+        async with Script([empty, ok()]) as s:
+            pool, held = budget_pool(s.url, budget=1 << 20)
+            status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body), held[0]) == (429, b"", 0)
+            status, body, reused = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body), reused) == (200, BODY, True)
             await pool.close()
     run(main())

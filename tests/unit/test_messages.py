@@ -138,7 +138,7 @@ def test_exact_field_values_after_decoding():
         "engine": {"ok": False, "reason": "engine answered GET http://e/health with HTTP 503", "age_s": 1.5,
                    "models": {}},
         "pending_request_bytes": 0, "engine_calls": 0, "engine_call_limit": 0, "engine_queued": 0,
-        "engine_answer_bytes": 0, "engine_unavailable": None}
+        "engine_answer_bytes": 0, "engine_answers_waiting": 0, "engine_unavailable": None}
     # An engine outage and the learned context windows (issue 10) travel the same way.
     outage = msgspec.structs.replace(
         STATS, engine=EngineReachability(ok=True, reason="", age_s=0.5, models={"Qwen/Qwen3-8B": 4096}),
