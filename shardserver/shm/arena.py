@@ -9,10 +9,17 @@ of dead runs at start (:func:`remove_stale_segments`).
 
 Layout (all integers little-endian)::
 
-    offset 0                                   64
-    +------------------------------------------+-------------------------------+
-    | superblock: magic "SSARENA1" | u64 size  | slot | slot | free | slot | ... |
-    +------------------------------------------+-------------------------------+
+    offset 0    8          16                  24            64
+    +-----------+----------+-------------------+-------------+------+------+------+-----+
+    | "SSARENA1"| u64 size | u64 owner start   | zeros       | slot | slot | free | ... |
+    +-----------+----------+-------------------+-------------+------+------+------+-----+
+    '-------------------- superblock ----------------------'
+
+    ``owner start`` (offset 16) is the start time, in clock ticks since boot (field 22 of
+    ``/proc/<pid>/stat``), of the process whose pid the segment's name carries, written by
+    :func:`create_segment`; 0 when unknown (segments of versions before it, which left bytes
+    16..63 zero). Readers ignore it; :func:`remove_stale_segments` uses it to tell a live owner
+    from a later process that reuses its pid.
 
     one slot (64-byte aligned, ``capacity`` = 16 + payload rounded up to 64):
     +----------------+----------------+-----------------------------+---------+
@@ -69,6 +76,8 @@ __all__ = [
     "segment_name",
     "remove_stale_segments",
     "pid_alive",
+    "pid_start_ticks",
+    "segment_stale",
     "shm_free_bytes",
     "check_shm_space",
     "ArenaWriter",
@@ -83,6 +92,7 @@ SLOT_HEADER = 16
 ALIGN = 64
 _HDR = struct.Struct("<QQ")
 _SB = struct.Struct("<8sQ")
+_OWNER = struct.Struct("<Q")  # owner start time, at offset _SB.size
 _GEN = struct.Struct("<Q")
 _PAGE = mmap.PAGESIZE
 _NAME_RE = re.compile(r"^shardserver-(\d+)-([0-9a-f]{8})-a(\d+)\.(\d+)$")
@@ -96,6 +106,10 @@ def segment_name(pid: int, run_id: str, shard: int, incarnation: int) -> str:
 def create_segment(name: str, size: int) -> None:
     """Create a zero-filled segment of ``size`` payload bytes (plus the 64-byte superblock).
 
+    When ``name`` is a :func:`segment_name`, the superblock records the start time of the
+    process it names (:func:`pid_start_ticks`; 0 if that pid is not running), which
+    :func:`remove_stale_segments` compares to tell that process from a later one with its pid.
+
     Raises:
         FileExistsError: a segment of that name exists.
         OSError: /dev/shm is full or not writable.
@@ -104,7 +118,9 @@ def create_segment(name: str, size: int) -> None:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, SUPERBLOCK + size)
-        os.pwrite(fd, _SB.pack(MAGIC, size), 0)
+        m = _NAME_RE.match(name)
+        owner_start = (pid_start_ticks(int(m.group(1))) or 0) if m else 0
+        os.pwrite(fd, _SB.pack(MAGIC, size) + _OWNER.pack(owner_start), 0)
     except BaseException:
         os.close(fd)
         os.unlink(path)
@@ -177,16 +193,102 @@ def pid_alive(pid: int) -> bool:
     return state != b"Z" and b"shardserver" in cmdline
 
 
+def pid_start_ticks(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22,
+    ``starttime``; ``os.sysconf("SC_CLK_TCK")`` ticks a second); None when no such process is
+    running or it is a zombie. A pid and its start time together name one process: a later
+    process that reuses the pid has a larger start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat.rsplit(b")", 1)[1].split()  # fields 3, 4, ...: the name may hold ") "
+        if fields[0] == b"Z":
+            return None
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_time() -> float:
+    """Wall-clock time of boot, seconds since the epoch (``btime`` of ``/proc/stat``, whole
+    seconds). Raises OSError or ValueError where /proc/stat has none."""
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if line.startswith(b"btime "):
+                return float(line.split()[1])
+    raise ValueError("/proc/stat has no btime line")
+
+
+# Fallback rule only (segments without an owner start time): wall-clock slack between a
+# process's start computed from btime (truncated to whole seconds, and moved by clock steps
+# since boot) and a file's mtime.
+_CLOCK_SLACK_S = 2.0
+
+
+def segment_stale(name: str) -> bool:
+    """Whether segment ``name`` (a :func:`segment_name` under /dev/shm) belongs to no running
+    process: the pid in its name is not running (missing or a zombie), or is now another
+    process, one that started after the segment was created (the pid was reused).
+
+    Reuse is told exactly by the owner's start time that :func:`create_segment` wrote into
+    the superblock (clock ticks since boot, compared for equality: no wall clock involved). A
+    segment without one (made by an older version, or not readable by this user) falls back
+    on its modification time: tmpfs updates ``st_mtime`` on every write, including writes
+    through a mapping and page punching (checked on Linux 6.x), so the mtime is at or after
+    the creation and at or before the last write of the owner; a process that started more
+    than 2 s (:data:`_CLOCK_SLACK_S`) after it cannot be the owner. A reuse within that slack
+    goes unnoticed (the segment stays until a later start), never the other way round.
+
+    The process's command line is not looked at: it used to be (stale unless it contained
+    "shardserver"), which deleted the live segments of a gateway or test run whose command
+    line lacks that word (``python -m pytest``) whenever another gateway started meanwhile.
+    Names that do not match :func:`segment_name` are never stale.
+    """
+    m = _NAME_RE.match(name)
+    if not m:
+        return False
+    pid = int(m.group(1))
+    start = pid_start_ticks(pid)
+    if start is None:
+        return True
+    path = os.path.join(SHM_DIR, name)
+    recorded = 0
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False  # already gone
+    except OSError:
+        pass  # another user's segment (mode 0600): judge by its mtime
+    else:
+        try:
+            head = os.pread(fd, _SB.size + _OWNER.size, 0)
+        finally:
+            os.close(fd)
+        # A segment being created right now may still be empty or all zeros: no record.
+        if len(head) == _SB.size + _OWNER.size and head[:8] == MAGIC:
+            recorded = _OWNER.unpack_from(head, _SB.size)[0]
+    if recorded:
+        return recorded != start
+    try:
+        mtime = os.stat(path).st_mtime
+        started = _boot_time() + start / os.sysconf("SC_CLK_TCK")
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return False  # cannot tell: keep it
+    return started > mtime + _CLOCK_SLACK_S
+
+
 def remove_stale_segments() -> list[str]:
-    """Unlink segments whose creating supervisor is no longer running. Returns their names."""
+    """Unlink the segments of processes no longer running (:func:`segment_stale`). Returns
+    their names. Segments of live processes stay, whatever their command line."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return removed
     for name in names:
-        m = _NAME_RE.match(name)
-        if m and not pid_alive(int(m.group(1))) and unlink_segment(name):
+        if segment_stale(name) and unlink_segment(name):
             removed.append(name)
     return removed
 

@@ -289,33 +289,67 @@ def test_arena_random_reuse_keeps_every_checksum(arena):
         assert a + ca <= b, "overlapping slots"
 
 
+def _start_ticks(pid: int) -> int:
+    """Field 22 of /proc/<pid>/stat: the process's start time in clock ticks since boot."""
+    return int(open(f"/proc/{pid}/stat", "rb").read().rsplit(b")", 1)[1].split()[19])
+
+
 def test_remove_stale_segments_only_removes_dead_runs():
-    """Segments of a live shardserver process stay; those of a missing pid, of a zombie, or of a
-    pid now used by an unrelated program go."""
+    """Segments of a live process stay, whatever its command line (a test run's ``python -m
+    pytest`` creates arenas too); those of a missing pid, of a zombie, or of a pid now used by
+    a process that started after the segment was made (pid reuse: told by the owner's start
+    time in the superblock, or, for a segment without one, by its mtime) go."""
     import subprocess
     import sys
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "shardserver-test"])
-    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # no "shardserver"
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     zombie = subprocess.Popen([sys.executable, "-c", "pass", "shardserver-test"])
     dead_pid = 2 ** 22 + 12345  # above pid_max on default kernels: never alive
-    names = {"live": segment_name(live.pid, "deadbeef", 0, 0), "dead": segment_name(dead_pid, "deadbeef", 0, 0),
-             "unrelated": segment_name(unrelated.pid, "deadbeef", 0, 0),
-             "zombie": segment_name(zombie.pid, "deadbeef", 0, 0)}
+    run = f"{random.randrange(16 ** 8):08x}"  # this run's: another run of this test may overlap
+    names = {"live": segment_name(live.pid, run, 0, 0), "dead": segment_name(dead_pid, run, 0, 0),
+             "plain": segment_name(plain.pid, run, 0, 0),
+             "plain-old-format": segment_name(plain.pid, run, 1, 0),
+             "reused": segment_name(later.pid, run, 0, 0),
+             "reused-old-format": segment_name(later.pid, run, 1, 0),
+             "zombie": segment_name(zombie.pid, run, 0, 0)}
     try:
         for n in names.values():
             create_segment(n, 4096)
+        # The pids' owners as the superblock records them: the process named, or (pid reuse)
+        # an earlier process, here this test's own, older than `later` (it spawned it).
+        older = _start_ticks(os.getpid())
+        assert older < _start_ticks(later.pid)
+        with open(f"/dev/shm/{names['live']}", "rb") as f:
+            assert f.read(24)[16:] == _start_ticks(live.pid).to_bytes(8, "little")
+        with open(f"/dev/shm/{names['reused']}", "r+b") as f:
+            f.seek(16)
+            f.write(older.to_bytes(8, "little"))
+        # Segments of the version before the owner's start time (bytes 16..24 zero): judged
+        # by their mtime; the reused one was last written 60 s before `later` started.
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
+        later_started = boot + _start_ticks(later.pid) / os.sysconf("SC_CLK_TCK")
+        for k in ("plain-old-format", "reused-old-format"):
+            with open(f"/dev/shm/{names[k]}", "r+b") as f:
+                f.seek(16)
+                f.write(bytes(8))
+        os.utime(f"/dev/shm/{names['reused-old-format']}", (later_started - 60, later_started - 60))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and b") Z" not in open(f"/proc/{zombie.pid}/stat", "rb").read():
             time.sleep(0.02)  # exited but not waited for: a zombie
         removed = remove_stale_segments()
-        assert names["live"] not in removed and os.path.exists(f"/dev/shm/{names['live']}")
-        for k in ("dead", "unrelated", "zombie"):
-            assert names[k] in removed and not os.path.exists(f"/dev/shm/{names[k]}"), k
+        for k in ("live", "plain", "plain-old-format"):
+            assert names[k] not in removed and os.path.exists(f"/dev/shm/{names[k]}"), k
+        # Gone: removed here, or by another run of this test (or a gateway) starting meanwhile.
+        for k in ("dead", "zombie", "reused", "reused-old-format"):
+            assert not os.path.exists(f"/dev/shm/{names[k]}"), k
+        assert {n for n in removed if f"-{run}-" in n} <= {
+            names[k] for k in ("dead", "zombie", "reused", "reused-old-format")}
     finally:
         for n in names.values():
             unlink_segment(n)
-        for p in (live, unrelated):
+        for p in (live, plain, later):
             p.kill()
             p.wait()
         zombie.wait()
