@@ -29,7 +29,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import ipaddress
 import mmap
+import os
+import socket
 import time
 import weakref
 import zlib
@@ -591,6 +594,8 @@ class EnginePool:
             with ``budget_bytes``.
         keep_buffer_bytes: the most bytes of receive buffers kept for reuse (:class:`BodyBuffers`).
         counters: passed to :class:`BodyBuffers`.
+        dns_ttl_s: a host name (not an IP literal) is resolved at most once per this many
+            seconds (``loop.getaddrinfo``), not for every new connection (seconds).
 
     Not thread-safe; one per event loop.
     """
@@ -598,7 +603,8 @@ class EnginePool:
     def __init__(self, url: str, *, connect_timeout_s: float, idle_s: float,
                  on_bytes: Callable[[int], None] | None = None, keep_buffer_bytes: int = 64 << 20,
                  counters: MutableMapping[str, int] | None = None, read_idle_s: float = 0.0,
-                 budget_bytes: int = 0, held: Callable[[], int] | None = None) -> None:
+                 budget_bytes: int = 0, held: Callable[[], int] | None = None,
+                 dns_ttl_s: float = 10.0) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"EnginePool needs an http:// URL with a host, got scheme {parts.scheme!r}")
@@ -636,6 +642,15 @@ class EnginePool:
         self._idle: collections.deque[_Connection] = collections.deque()
         self._all: set[_Connection] = set()
         self._closed = False
+        self.dns_ttl_s = dns_ttl_s
+        try:
+            ipaddress.ip_address(self.host)
+            self._literal = True  # asyncio and uvloop take it as it is, with no lookup
+        except ValueError:
+            self._literal = False
+        self._addrs: list[tuple] = []  # getaddrinfo's answer, while fresh
+        self._addrs_until = 0.0  # time.monotonic() when it goes stale
+        self._lookup: asyncio.Future[list[tuple]] | None = None  # the lookup in flight
 
     @property
     def waiting(self) -> int:
@@ -700,11 +715,73 @@ class EnginePool:
         self._all.discard(conn)
         # Closed idle connections are skipped when taken; no scan of the deque here.
 
+    async def _resolve(self, loop: asyncio.AbstractEventLoop) -> list[tuple]:
+        """The addresses of ``self.host`` (``loop.getaddrinfo`` tuples, in its order): cached for
+        ``dns_ttl_s`` seconds, and one lookup shared by the connects that need it meanwhile (a
+        waiter cancelled by its timeout leaves the lookup running for the others). A failed
+        lookup is not cached.
+
+        Raises:
+            OSError: the lookup failed (``socket.gaierror``) or found no address.
+        """
+        if self._addrs and time.monotonic() < self._addrs_until:
+            return self._addrs
+        if self._lookup is None:
+            async def lookup() -> list[tuple]:
+                try:
+                    try:
+                        addrs = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+                    except OSError as exc:
+                        raise OSError(f"cannot resolve {self.host!r}: {exc}") from None
+                    if not addrs:
+                        raise OSError(f"cannot resolve {self.host!r}: no address")
+                    self._addrs, self._addrs_until = addrs, time.monotonic() + self.dns_ttl_s
+                    return addrs
+                finally:
+                    self._lookup = None
+
+            self._lookup = loop.create_task(lookup())
+            # Retrieved here, so that a failure nobody waits for any more is not logged.
+            self._lookup.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(self._lookup)
+
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> _Connection:
+        """Connect to ``self.host``: an IP literal directly, a name to the addresses it resolves
+        to (:meth:`_resolve`), in order, the first that accepts.
+
+        Raises:
+            OSError: the lookup failed, or every address refused (the last one's error, which
+                names that address).
+        """
+        if self._literal:
+            _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+            return conn
+        last: OSError | None = None
+        for family, type_, proto, _, sockaddr in await self._resolve(loop):
+            sock = socket.socket(family, type_, proto)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_connect(sock, sockaddr)
+            except OSError as exc:
+                sock.close()
+                # One argument: a plain OSError, never TimeoutError (that is the connect timeout).
+                last = OSError(f"{self.host} ({sockaddr[0]} port {sockaddr[1]}): "
+                               f"{os.strerror(exc.errno) if exc.errno else exc}")
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            _, conn = await loop.create_connection(lambda: _Connection(self), sock=sock)
+            return conn
+        assert last is not None  # _resolve returns at least one address
+        raise last
+
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+                conn = await self._open(loop)
         except TimeoutError:
             raise ConnectFailed(f"connect timeout after {self.connect_timeout_s:g} s "
                                 f"(engine.connect_timeout_s)") from None
