@@ -342,6 +342,14 @@ class ArenaWriter:
         self._view = memoryview(self._mm)
         self._free_offs: list[int] = [SUPERBLOCK]
         self._free_size: dict[int, int] = {SUPERBLOCK: self.size}
+        # The free blocks again, by size class (a block of s bytes is in class s.bit_length()):
+        # per class the offsets in ascending order, and a bit mask of the classes holding any.
+        # alloc() then finds the lowest block that fits without walking the small holes that
+        # shrink() leaves behind every result (one per result: a scan over them cost ~50 µs per
+        # SUBMIT with 2048 results held, benchmarks/README_load.md "queue-8k: encoder fixed costs").
+        self._class_offs: list[list[int]] = [[] for _ in range(self.size.bit_length() + 1)]
+        self._classes = 0
+        self._cls_add(SUPERBLOCK, self.size)
         self._gen = 0
         self.used_bytes = 0
         self.live_slots = 0
@@ -359,7 +367,60 @@ class ArenaWriter:
         return _round(SLOT_HEADER + payload)
 
     def largest_free(self) -> int:
-        return max(self._free_size.values(), default=0)
+        """Size in bytes of the largest free block (0 when the arena is full)."""
+        if not self._classes:
+            return 0
+        sizes = self._free_size
+        return max(sizes[off] for off in self._class_offs[self._classes.bit_length() - 1])
+
+    # -- the free blocks by size class ----------------------------------------------------
+    def _cls_add(self, off: int, size: int) -> None:
+        c = size.bit_length()
+        lst = self._class_offs[c]
+        if not lst:
+            self._classes |= 1 << c
+            lst.append(off)
+        elif off > lst[-1]:
+            lst.append(off)
+        else:
+            bisect.insort(lst, off)
+
+    def _cls_del(self, off: int, size: int) -> None:
+        c = size.bit_length()
+        lst = self._class_offs[c]
+        if lst[-1] == off:
+            lst.pop()
+        else:
+            del lst[bisect.bisect_left(lst, off)]
+        if not lst:
+            self._classes &= ~(1 << c)
+
+    def _first_fit(self, need: int) -> int:
+        """Offset of the lowest free block of at least ``need`` bytes; -1 when none.
+
+        Every block of a class above ``need``'s (``need.bit_length()``) is large enough, so
+        only the lowest of each such class and those of ``need``'s own class below it are looked at.
+        """
+        c = need.bit_length()
+        best = -1
+        higher = self._classes >> (c + 1)
+        cc = c + 1
+        offs = self._class_offs
+        while higher:
+            if higher & 1:
+                first = offs[cc][0]
+                if best < 0 or first < best:
+                    best = first
+            higher >>= 1
+            cc += 1
+        if self._classes >> c & 1:
+            sizes = self._free_size
+            for off in offs[c]:
+                if best >= 0 and off > best:
+                    break
+                if sizes[off] >= need:
+                    return off
+        return best
 
     # -- allocation ---------------------------------------------------------------------
     def alloc(self, payload: int) -> Slot | None:
@@ -371,21 +432,23 @@ class ArenaWriter:
         spreading over the whole arena, as next fit did (soak-131k: PSS grew to the arena's size).
         """
         need = self.slot_bytes(payload)
-        offs = self._free_offs
+        off = self._first_fit(need)
+        if off < 0:
+            return None
         sizes = self._free_size
-        for i, off in enumerate(offs):
-            sz = sizes[off]
-            if sz >= need:
-                del sizes[off]
-                if sz == need:
-                    del offs[i]
-                else:
-                    offs[i] = off + need
-                    sizes[off + need] = sz - need
-                self.used_bytes += need
-                self.live_slots += 1
-                return Slot(off, need)
-        return None
+        sz = sizes.pop(off)
+        self._cls_del(off, sz)
+        offs = self._free_offs
+        i = bisect.bisect_left(offs, off)
+        if sz == need:
+            del offs[i]
+        else:
+            offs[i] = off + need
+            sizes[off + need] = sz - need
+            self._cls_add(off + need, sz - need)
+        self.used_bytes += need
+        self.live_slots += 1
+        return Slot(off, need)
 
     def payload(self, slot: Slot, length: int) -> memoryview:
         """Writable view of ``length`` payload bytes of a reserved slot."""
@@ -466,18 +529,27 @@ class ArenaWriter:
         (``(start, end)`` offsets, after coalescing with its neighbours)."""
         self.used_bytes -= size
         offs = self._free_offs
+        sizes = self._free_size
         i = bisect.bisect_left(offs, off)
         # Coalesce with the following block.
         if i < len(offs) and offs[i] == off + size:
-            size += self._free_size.pop(offs[i])
+            nxt = sizes.pop(offs[i])
+            self._cls_del(offs[i], nxt)
+            size += nxt
             del offs[i]
         # Coalesce with the preceding block.
-        if i > 0 and offs[i - 1] + self._free_size[offs[i - 1]] == off:
-            off = offs[i - 1]
-            self._free_size[off] += size
-            return off, off + self._free_size[off]
+        if i > 0:
+            prev = offs[i - 1]
+            psize = sizes[prev]
+            if prev + psize == off:
+                self._cls_del(prev, psize)
+                psize += size
+                sizes[prev] = psize
+                self._cls_add(prev, psize)
+                return prev, prev + psize
         offs.insert(i, off)
-        self._free_size[off] = size
+        sizes[off] = size
+        self._cls_add(off, size)
         return off, off + size
 
     def read(self, slot: Slot) -> bytes:

@@ -214,6 +214,72 @@ def test_arena_full_and_coalescing(arena):
     assert w.alloc((1 << 20) - 16) is not None
 
 
+class _ListFirstFit:
+    """Reference allocator for the test below: address-ordered first fit over one sorted list
+    of free blocks, walked from the lowest (what ArenaWriter.alloc did before its size classes)."""
+
+    def __init__(self, size: int) -> None:
+        self.free = [[SUPERBLOCK, size]]  # [offset, size], ascending offsets, coalesced
+
+    def alloc(self, need: int) -> int:
+        for i, (off, sz) in enumerate(self.free):
+            if sz >= need:
+                if sz == need:
+                    del self.free[i]
+                else:
+                    self.free[i] = [off + need, sz - need]
+                return off
+        return -1
+
+    def give_back(self, off: int, size: int) -> None:
+        self.free.append([off, size])
+        self.free.sort()
+        merged = [self.free[0]]
+        for o, sz in self.free[1:]:
+            if merged[-1][0] + merged[-1][1] == o:
+                merged[-1][1] += sz
+            else:
+                merged.append([o, sz])
+        self.free = merged
+
+
+def test_arena_alloc_is_address_ordered_first_fit_under_random_churn(arena):
+    """ArenaWriter.alloc finds its block through size classes (so the small tails shrink() gives
+    back after each result are not walked at every SUBMIT); the blocks it picks are exactly those
+    of a plain first-fit walk over the free list, through 6000 random reserve / shrink / free
+    steps of payloads from 1 byte to 256 KiB in a 1 MiB arena, and largest_free() and the free
+    list agree with it after every step."""
+    w, _ = arena
+    ref = _ListFirstFit(w.size)
+    rng = random.Random(12)
+    live: list = []
+    for _ in range(6000):
+        r = rng.random()
+        if live and (r < 0.35 or w.used_bytes > w.size * 0.9):
+            s = live.pop(rng.randrange(len(live)))
+            w.free(s)
+            ref.give_back(s.offset, s.capacity)
+        else:
+            payload = rng.choice((rng.randrange(1, 200), rng.randrange(1, 5000), rng.randrange(1, 70_000),
+                                  rng.randrange(1, 1 << 18)))
+            s = w.alloc(payload)
+            off = ref.alloc(w.slot_bytes(payload))
+            assert (s.offset if s is not None else -1) == off
+            if s is not None:
+                if rng.random() < 0.6:  # a result smaller than its reservation
+                    keep = rng.randrange(0, payload + 1)
+                    cap = s.capacity
+                    w.shrink(s, keep)
+                    if s.capacity < cap:
+                        ref.give_back(s.offset + s.capacity, cap - s.capacity)
+                live.append(s)
+        assert [[o, w._free_size[o]] for o in w._free_offs] == ref.free
+        assert w.largest_free() == max((sz for _, sz in ref.free), default=0)
+    for s in live:
+        w.free(s)
+    assert w.used_bytes == 0 and w.largest_free() == w.size and w._free_offs == [SUPERBLOCK]
+
+
 def test_arena_packs_slots_low_so_the_pages_written_follow_the_peak_in_use(arena):
     """A FIFO of at most 8 live results of ~10 KB (peak in use ~82 KB) cycled 2000 times
     through a 1 MiB arena: every slot lies within the first 2 x peak bytes, so tmpfs keeps about
