@@ -389,17 +389,39 @@ async def serve_control(path: str, handler: Handler) -> asyncio.AbstractServer:
 
     ``handler(msg, blob)`` gets each request decoded into its :mod:`shardserver.messages` struct
     and returns the reply struct (None for one-way kinds). Each request runs in its own task so a
-    held POLL does not block the connection. A request that cannot be decoded, or whose handler
+    held POLL does not block the connection. The replies made in one event-loop iteration go out
+    in one write at the start of the next (a write system call per reply was ~4 % of a busy
+    encoder's time). A request that cannot be decoded, or whose handler
     raises, is answered with an :class:`~shardserver.messages.ErrorReply` in an ERROR frame
     (when it has a tag); the connection stays up. Only a broken frame length ends the connection.
     """
 
     async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         tasks: set[asyncio.Task[None]] = set()
+        loop = asyncio.get_running_loop()
+        # Replies made in one event-loop iteration, written together (one writev) by flush()
+        # at the start of the next one, in the order they were made; None: none waiting.
+        out: list[bytes] | None = None
+
+        def flush() -> None:
+            nonlocal out
+            frames, out = out, None
+            if not frames or writer.is_closing():
+                return
+            if len(frames) == 1:
+                writer.write(frames[0])
+            else:
+                writer.writelines(frames)
 
         def answer(tag: int, kind: Kind, reply: msgspec.Struct) -> None:
+            nonlocal out
             if tag and not writer.is_closing():
-                writer.write(encode_frame(kind, tag, reply))
+                frame = encode_frame(kind, tag, reply)
+                if out is None:
+                    out = [frame]
+                    loop.call_soon(flush)
+                else:
+                    out.append(frame)
 
         async def run_one(msg: msgspec.Struct, tag: int, blob: bytes) -> None:
             try:
@@ -420,7 +442,7 @@ async def serve_control(path: str, handler: Handler) -> asyncio.AbstractServer:
                     log.error("control: %s", exc)
                     answer(frame.tag, Kind.ERROR, ErrorReply(message=str(exc)))
                     continue
-                t = asyncio.get_running_loop().create_task(run_one(msg, frame.tag, frame.blob))
+                t = loop.create_task(run_one(msg, frame.tag, frame.blob))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
@@ -428,6 +450,10 @@ async def serve_control(path: str, handler: Handler) -> asyncio.AbstractServer:
         except asyncio.CancelledError:
             pass  # the encoder is stopping: end this connection quietly
         finally:
+            try:
+                flush()  # the replies already made still go out, as when each was written at once
+            except (RuntimeError, OSError):
+                pass
             for t in list(tasks):
                 t.cancel()
             writer.close()

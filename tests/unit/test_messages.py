@@ -284,3 +284,60 @@ def test_error_replies_keep_the_connection_and_fold_into_each_reply_type():
             os.rmdir(d)
 
     asyncio.run(go())
+
+
+def test_replies_made_in_one_loop_iteration_go_out_in_one_write(monkeypatch):
+    """serve_control writes the replies its handlers make in one event-loop iteration together
+    (one ``writelines``, in the order they were made), not one write system call each: 40
+    SUBMITs sent in one write are answered with one write, every reply carrying its own tag and
+    request id. A reply made in a later iteration (a POLL answered after an await) goes out by
+    itself."""
+    import asyncio as _asyncio
+
+    calls: list[int] = []
+    real_write, real_writelines = _asyncio.StreamWriter.write, _asyncio.StreamWriter.writelines
+
+    def write(self, data):
+        calls.append(1)
+        return real_write(self, data)
+
+    def writelines(self, data):
+        data = list(data)
+        calls.append(len(data))
+        return real_writelines(self, data)
+
+    monkeypatch.setattr(_asyncio.StreamWriter, "write", write)
+    monkeypatch.setattr(_asyncio.StreamWriter, "writelines", writelines)
+
+    async def handler(msg, blob):
+        if isinstance(msg, PollRequest):
+            await asyncio.sleep(0.05)
+            return PollPending()
+        return SubmitAccepted(request_id=f"f-{msg.seq}")
+
+    async def go():
+        d = tempfile.mkdtemp(prefix="ssmsg-", dir="/tmp")
+        path = os.path.join(d, "enc-0.sock")
+        server = await serve_control(path, handler)
+        reader, writer = await asyncio.open_unix_connection(path)
+        try:
+            frames = [encode_frame(Kind.SUBMIT, 100 + i, SubmitRequest(sid="s", seq=i, n=1, reserve_bytes=64), b"{}")
+                      for i in range(40)]
+            frames.append(encode_frame(Kind.POLL, 7, PollRequest(fid="f-0", timeout=1.0)))
+            real_write(writer, b"".join(frames))
+            calls.clear()
+            got = []
+            for _ in range(41):
+                f = await asyncio.wait_for(read_frame(reader), 5)
+                got.append((f.tag, decode_reply(Kind.POLL if f.tag == 7 else Kind.SUBMIT, f.meta)))
+            assert got[:40] == [(100 + i, SubmitAccepted(request_id=f"f-{i}")) for i in range(40)]
+            assert got[40] == (7, PollPending())
+            assert calls == [40, 1]
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+            os.unlink(path)
+            os.rmdir(d)
+
+    asyncio.run(go())
