@@ -20,7 +20,12 @@ nothing per request.
 Hot-path cost: a counter increment or a histogram observation in
 multiprocess mode is a dict lookup plus an mmap write (about 1-3 µs);
 label children are cached, so no per-request ``labels()`` call. No metric is
-updated in a loop over futures.
+updated in a loop over futures. The encoders, which count several things per
+result, keep their increments and observations in the process and write them
+in one go before every STATS reply and at every sweep (:class:`ShardCounters`,
+:class:`EncoderTimers`): a scrape asks every encoder for STATS before it reads
+the files, so it sees them all; an encoder killed with SIGKILL loses what it
+counted since its last sweep (at most ``futures.sweep_interval_s``).
 
 Every metric, its type and labels are listed in ``docs/OPERATIONS.md``.
 """
@@ -28,6 +33,7 @@ Every metric, its type and labels are listed in ``docs/OPERATIONS.md``.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import logging
 import time
@@ -208,9 +214,13 @@ _SHARD_COUNTER_MAP: dict[str, tuple[Counter, dict[str, str]]] = {
 class ShardCounters(collections.Counter):
     """An encoder's ``counters``: a :class:`collections.Counter` whose increments also go to Prometheus.
 
-    ``counters["completed"] += 1`` updates the dict (``/stats`` shows it) and
-    ``shardserver_results_completed_total{shard}``; names without a dedicated metric go to
-    ``shardserver_encoder_events_total{shard,event}``. Decrements and ``clear()`` touch only the dict.
+    ``counters["completed"] += 1`` updates the dict (``/stats`` shows it) at once and
+    ``shardserver_results_completed_total{shard}`` at the next :meth:`flush`; names without a
+    dedicated metric go to ``shardserver_encoder_events_total{shard,event}``. Decrements and
+    ``clear()`` touch only the dict. The encoder flushes before every STATS reply (so each
+    ``/metrics`` scrape, which asks every encoder for STATS first, sees every increment made
+    until then) and at every sweep (``futures.sweep_interval_s``): a Prometheus write per
+    increment was an mmap write of ~2 µs, several per result.
 
     Args:
         shard: the encoder's shard index (the ``shard`` label).
@@ -219,6 +229,7 @@ class ShardCounters(collections.Counter):
     def __init__(self, shard: int) -> None:
         self._shard = str(shard)
         self._children: dict[str, Any] = {}
+        self._unflushed: dict[str, int] = {}  # name -> increments not yet added to Prometheus
         super().__init__()
 
     def _child(self, name: str) -> Any:
@@ -234,6 +245,15 @@ class ShardCounters(collections.Counter):
         delta = value - dict.get(self, name, 0)
         dict.__setitem__(self, name, value)
         if delta > 0:
+            u = self._unflushed
+            u[name] = u.get(name, 0) + delta
+
+    def flush(self) -> None:
+        """Add the increments made since the last flush to the Prometheus counters."""
+        if not self._unflushed:
+            return
+        pending, self._unflushed = self._unflushed, {}
+        for name, delta in pending.items():
             c = self._children.get(name)
             (c if c is not None else self._child(name)).inc(delta)
 
@@ -256,21 +276,69 @@ class FrontendCounters(dict):
         dict.__setitem__(self, name, value)
 
 
+#: Observations an :class:`EncoderTimers` keeps before it flushes by itself (a bound on its memory
+#: between sweeps: 4096 floats, ~100 KB per histogram).
+MAX_UNFLUSHED_OBSERVATIONS = 4096
+
+
+def _observe_all(child: Any, values: list[float]) -> None:
+    """``child.observe(v)`` for every ``v`` of ``values`` (seconds), in order, with one write of
+    the sum and one per bucket touched: the sum is added up in the same order as the
+    observations would have (the same float), each value counts in the first bucket whose
+    upper bound is at least it (a NaN in none), as ``prometheus_client.Histogram.observe`` does."""
+    bounds = child._upper_bounds
+    counts = [0] * len(bounds)
+    total = child._sum.get()
+    nb = len(bounds)
+    for v in values:
+        total += v
+        if v == v:
+            i = bisect.bisect_left(bounds, v)
+            if i < nb:
+                counts[i] += 1
+    child._sum.set(total)
+    buckets = child._buckets
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)
+
+
 class EncoderTimers:
-    """Histogram observations of one encoder (pre-bound label children)."""
+    """Histogram observations of one encoder (pre-bound label children).
+
+    Observations are kept in the process and reach Prometheus at :meth:`flush` (the encoder
+    flushes with its :class:`ShardCounters`: before every STATS reply and at every sweep).
+    """
 
     def __init__(self) -> None:
         self._engine_ok = ENGINE_LATENCY.labels(outcome="ok")
         self._engine_error = ENGINE_LATENCY.labels(outcome="error")
+        self._decode_encode = DECODE_ENCODE
+        self._pending_ok: list[float] = []
+        self._pending_error: list[float] = []
+        self._pending_de: list[float] = []
 
     def engine(self, seconds: float, ok: bool) -> None:
         """One engine request took ``seconds``; ``ok`` is False when it raised EngineError."""
-        (self._engine_ok if ok else self._engine_error).observe(seconds)
+        pending = self._pending_ok if ok else self._pending_error
+        pending.append(seconds)
+        if len(pending) >= MAX_UNFLUSHED_OBSERVATIONS:
+            self.flush()
 
-    @staticmethod
-    def decode_encode(seconds: float) -> None:
+    def decode_encode(self, seconds: float) -> None:
         """Decode + encode of one result took ``seconds``."""
-        DECODE_ENCODE.observe(seconds)
+        self._pending_de.append(seconds)
+        if len(self._pending_de) >= MAX_UNFLUSHED_OBSERVATIONS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Observe everything timed since the last flush (see :func:`_observe_all`)."""
+        for child, name in ((self._engine_ok, "_pending_ok"), (self._engine_error, "_pending_error"),
+                            (self._decode_encode, "_pending_de")):
+            values = getattr(self, name)
+            if values:
+                setattr(self, name, [])
+                _observe_all(child, values)
 
 
 def future_stages(entries: Iterable[Any]) -> dict[str, int]:

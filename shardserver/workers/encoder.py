@@ -944,8 +944,19 @@ class EncoderCore:
                 "completed": sc[FutureState.DONE] + sc[FutureState.FAILED] - self.delivered_count,
                 "retrieved": self.delivered_count, "gone": sc[FutureState.GONE]}
 
+    def flush_metrics(self) -> None:
+        """Write the counter increments and timings kept since the last flush to Prometheus
+        (:class:`~shardserver.metrics.ShardCounters`, :class:`~shardserver.metrics.EncoderTimers`)."""
+        flush = getattr(self.counters, "flush", None)
+        if flush is not None:
+            flush()
+        self.timers.flush()
+
     def stats(self) -> StatsReply:
-        """The STATS reply: counters and gauges of this shard."""
+        """The STATS reply: counters and gauges of this shard. Flushes the Prometheus metrics
+        first, so a ``/metrics`` scrape (which asks every encoder for STATS before it reads the
+        metric files) sees every count made until then."""
+        self.flush_metrics()
         states = {k.value: v for k, v in self.state_counts.items() if v}
         return StatsReply(
             shard=self.shard,
@@ -1109,6 +1120,7 @@ class EncoderProc:
             while True:
                 await asyncio.sleep(cfg.futures.sweep_interval_s)
                 core.sweep()
+                core.flush_metrics()
                 # Receive buffers no answer used for a while, then engine answers freed after a
                 # burst that stay in glibc's heap: give them back.
                 engine.sweep(BUFFER_IDLE_S)
@@ -1133,6 +1145,7 @@ class EncoderProc:
             core.close("server shutting down")
             await probe.close()
             await engine.close()
+            core.flush_metrics()
             try:
                 arena.close()
             except BufferError:  # a view is still exported; the mapping goes with the process

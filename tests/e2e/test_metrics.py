@@ -69,11 +69,81 @@ def test_shard_counters_mirror_into_prometheus():
     c["completed"] -= 1  # decrements stay in the dict only
     c.update(["evicted", "evicted"])
     assert dict(c) == {"completed": 2, "failed_user": 1, "something_new": 5, "evicted": 2}
+    # Prometheus gets the increments at flush() (the encoder flushes before each STATS reply and at each sweep).
+    assert _value("shardserver_results_completed_total", shard="97") == 0
+    assert _value("shardserver_encoder_events_total", shard="97", event="something_new") == before_other
+    c.flush()
     assert _value("shardserver_results_completed_total", shard="97") == 3
     assert _value("shardserver_results_failed_total", shard="97", category="user") == 1
     assert _value("shardserver_results_evicted_total", shard="97") == 2
     assert _value("shardserver_encoder_events_total", shard="97", event="something_new") == before_other + 5
     assert c["never"] == 0 and "never" not in c
+
+
+def test_shard_counters_flush_adds_only_what_is_new():
+    c = ShardCounters(96)
+    c["completed"] += 1
+    c.flush()
+    c.flush()  # nothing new: nothing added
+    c["completed"] += 4
+    c["delivered"] += 2
+    assert _value("shardserver_results_completed_total", shard="96") == 1
+    c.flush()
+    assert _value("shardserver_results_completed_total", shard="96") == 5
+    assert _value("shardserver_results_delivered_total", shard="96") == 2
+
+
+def test_encoder_timers_flush_observes_exactly_what_observe_would_have():
+    """EncoderTimers keeps its timings until flush(); then the histograms hold exactly what one
+    Histogram.observe per timing gives: the same float sum (added in the same order) and the
+    same bucket counts, including values on a bucket bound, past the last finite bound, and NaN
+    (in no bucket)."""
+    import math
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from shardserver.metrics import DECODE_ENCODE, ENGINE_LATENCY, EncoderTimers, _observe_all
+
+    rng = random.Random(3)
+    values = [rng.random() * 0.02 for _ in range(500)] + [0.001, 0.0025, 1.0, 7.5, 0.0, 1e-9]
+    rng.shuffle(values)
+    buckets = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+    reg = CollectorRegistry()
+    ref = Histogram("ref_seconds", "reference", registry=reg, buckets=buckets)
+    mine = Histogram("mine_seconds", "batched", registry=reg, buckets=buckets)
+    for h in (ref, mine):
+        h.observe(0.3)  # a value there before
+    for v in values:
+        ref.observe(v)
+    _observe_all(mine, values[:200])
+    _observe_all(mine, values[200:])
+    assert mine._sum.get() == ref._sum.get()
+    assert [b.get() for b in mine._buckets] == [b.get() for b in ref._buckets]
+    assert reg.get_sample_value("mine_seconds_count") == reg.get_sample_value("ref_seconds_count") == len(values) + 1
+    ref.observe(math.nan)
+    _observe_all(mine, [math.nan])
+    assert math.isnan(mine._sum.get()) and math.isnan(ref._sum.get())
+    assert [b.get() for b in mine._buckets] == [b.get() for b in ref._buckets]
+
+    # Through EncoderTimers: nothing reaches the histograms before flush(), everything after it.
+    ok0 = _value("shardserver_engine_request_duration_seconds_count", outcome="ok")
+    err0 = _value("shardserver_engine_request_duration_seconds_count", outcome="error")
+    de0 = _value("shardserver_decode_encode_duration_seconds_count")
+    de_bucket0 = _value("shardserver_decode_encode_duration_seconds_bucket", le="0.001")
+    t = EncoderTimers()
+    for _ in range(3):
+        t.engine(5.0, True)
+    t.engine(0.2, False)
+    t.decode_encode(0.0004)
+    t.decode_encode(0.002)
+    assert _value("shardserver_engine_request_duration_seconds_count", outcome="ok") == ok0
+    t.flush()
+    assert _value("shardserver_engine_request_duration_seconds_count", outcome="ok") == ok0 + 3
+    assert _value("shardserver_engine_request_duration_seconds_count", outcome="error") == err0 + 1
+    assert _value("shardserver_decode_encode_duration_seconds_count") == de0 + 2
+    assert _value("shardserver_decode_encode_duration_seconds_bucket", le="0.001") == de_bucket0 + 1
+    assert ENGINE_LATENCY.labels(outcome="ok") is t._engine_ok and DECODE_ENCODE is t._decode_encode
 
 
 def test_frontend_counters_feed_bytes_delivered():

@@ -500,3 +500,34 @@ def test_answers_held_over_the_budget_are_not_replaced_by_new_engine_calls(budge
         core.close()
         arena.close()
         unlink_segment(name)
+
+
+def test_stats_flushes_the_prometheus_counts_kept_since_the_last_flush(core):
+    """The shard's counters and timings reach Prometheus when STATS is answered (a /metrics
+    scrape asks every encoder for STATS before it reads the metric files): exact values then,
+    unchanged before."""
+    from shardserver.metrics import REGISTRY
+
+    def v(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    shard = str(core.shard)
+    names = [("shardserver_submits_total", {"shard": shard}),
+             ("shardserver_results_completed_total", {"shard": shard}),
+             ("shardserver_engine_request_duration_seconds_count", {"outcome": "ok"}),
+             ("shardserver_decode_encode_duration_seconds_count", {})]
+    core.flush_metrics()
+    before = [v(n, **ls) for n, ls in names]
+
+    async def go():
+        for seq in range(3):
+            meta, body = _meta(seq, 16)
+            core.submit(meta, body)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(go())
+    assert core.counters["completed"] == 3
+    assert [v(n, **ls) for n, ls in names] == before
+    st = core.stats()
+    assert st.counters["submitted"] == st.counters["completed"] == 3
+    assert [v(n, **ls) - b for (n, ls), b in zip(names, before)] == [3, 3, 3, 3]
