@@ -25,6 +25,7 @@ from shardserver.codec.encode import (
     STOP_REASON_STOP,
     encode_sample_response,
     max_sample_response_size,
+    plan_sample_response,
     sample_response_size,
     stop_reason_code,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "STOP_REASON_LENGTH",
     "stop_reason_code",
     "sample_response_size",
+    "plan_sample_response",
     "max_sample_response_size",
     "encode_sample_response",
     "sample_response_to_json",

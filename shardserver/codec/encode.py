@@ -34,6 +34,7 @@ __all__ = [
     "STOP_REASON_LENGTH",
     "stop_reason_code",
     "sample_response_size",
+    "plan_sample_response",
     "max_sample_response_size",
     "encode_sample_response",
 ]
@@ -152,6 +153,18 @@ def _plan(dc: DecodedCompletion) -> tuple[list, int]:
     return pieces, total
 
 
+def plan_sample_response(dc: DecodedCompletion) -> tuple[list, int]:
+    """The message of ``dc`` laid out but not written: ``(pieces, size in bytes)``, to pass to
+    :func:`encode_sample_response` (``plan=``) after sizing its destination, so the layout is
+    worked out once per result.
+
+    Raises:
+        EngineBodyError: as :func:`sample_response_size`.
+        ValueError: array shapes disagree.
+    """
+    return _plan(dc)
+
+
 def sample_response_size(dc: DecodedCompletion) -> int:
     """Exact number of bytes :func:`encode_sample_response` writes for ``dc``.
 
@@ -199,7 +212,8 @@ def max_sample_response_size(
     return size
 
 
-def encode_sample_response(dc: DecodedCompletion, out=None, offset: int = 0) -> bytes | int:
+def encode_sample_response(dc: DecodedCompletion, out=None, offset: int = 0, *,
+                           plan: tuple[list, int] | None = None) -> bytes | int:
     """Encode ``dc`` as ``tinker_public.SampleResponse`` wire bytes.
 
     Byte-identical to ``SerializeToString()`` of the same message built with
@@ -213,6 +227,8 @@ def encode_sample_response(dc: DecodedCompletion, out=None, offset: int = 0) -> 
             No intermediate copy of the whole message is made: each array is copied once,
             straight into ``out``.
         offset: where in ``out`` to start writing.
+        plan: :func:`plan_sample_response` of this same ``dc`` (unchanged since), when the
+            caller has it already.
 
     Returns:
         The message (``out is None``), or the number of bytes written into ``out``
@@ -223,7 +239,7 @@ def encode_sample_response(dc: DecodedCompletion, out=None, offset: int = 0) -> 
             by the caller, never encoded as LENGTH) or has an unknown finish_reason.
         ValueError: if ``out`` is read-only or too small, or array shapes disagree.
     """
-    pieces, total = _plan(dc)
+    pieces, total = _plan(dc) if plan is None else plan
     if out is None:
         return b"".join(pieces)
     mv = memoryview(out)

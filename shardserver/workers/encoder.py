@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..codec import CompletionDecoder, encode_sample_response, sample_response_size, sample_response_to_json
+from ..codec import CompletionDecoder, encode_sample_response, plan_sample_response, sample_response_to_json
 from ..config import Config, mask_url
 from ..control import serve_control
 from ..engine_client import AttemptIds, EngineClient
@@ -164,6 +164,12 @@ LIMIT_GROW_EVERY = 4
 # Receive buffers (shardserver.engine_http.BodyBuffers) no engine answer used for this long
 # (seconds) are freed at the next sweep.
 BUFFER_IDLE_S = 10.0
+
+
+def _resolve(w: asyncio.Future, value: object) -> None:
+    """A held poll's timer: the time is up, answer with ``value`` unless it was answered already."""
+    if not w.done():
+        w.set_result(value)
 
 
 @dataclass(slots=True)
@@ -712,7 +718,8 @@ class EncoderCore:
             self._call_finished()
 
     def _store(self, e: FutureEntry, dc) -> None:
-        size = sample_response_size(dc)
+        plan = plan_sample_response(dc)
+        size = plan[1]
         slot = e.reserve
         if slot is not None and ArenaWriter.slot_bytes(size) <= slot.capacity:
             self.reserved_bytes -= slot.capacity
@@ -732,7 +739,7 @@ class EncoderCore:
                               f"{self.shard} has no room for it")
                 return
         try:
-            n = encode_sample_response(dc, self.arena.payload(slot, size), 0)
+            n = encode_sample_response(dc, self.arena.payload(slot, size), 0, plan=plan)
         except Exception:
             self.arena.free(slot)  # the caller fails the future; the slot must not leak
             raise
@@ -775,13 +782,15 @@ class EncoderCore:
         if e.state == FutureState.PENDING:
             timeout = min(req.timeout, self.cfg.futures.long_poll_s)
             if timeout > 0:
-                w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                loop = asyncio.get_running_loop()
+                w: asyncio.Future[None] = loop.create_future()
                 e.waiters.append(w)
+                # A timer on the waiter itself (asyncio.wait_for adds a second future and a callback hop).
+                timer = loop.call_later(timeout, _resolve, w, None)
                 try:
-                    await asyncio.wait_for(w, timeout)
-                except asyncio.TimeoutError:
-                    pass
+                    await w
                 finally:
+                    timer.cancel()
                     if w in e.waiters:
                         e.waiters.remove(w)
         return self._answer(e, req.want)
@@ -878,13 +887,14 @@ class EncoderCore:
         log_ = self.session_logs.get(key)
         if log_ and next(reversed(log_.values())) > req.after:
             return SessionPollReply(woke=True)  # completions after upto exist already
-        w: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        w: asyncio.Future[bool] = loop.create_future()
         self.session_waiters[key] = w
+        timer = loop.call_later(timeout, _resolve, w, False)  # time is up: not woken
         try:
-            woke = await asyncio.wait_for(w, timeout)
-        except asyncio.TimeoutError:
-            woke = False
+            woke = await w
         finally:
+            timer.cancel()
             if self.session_waiters.get(key) is w:
                 del self.session_waiters[key]
         return SessionPollReply(woke=woke)

@@ -18,6 +18,7 @@ from shardserver.codec import (
     DecodedCompletion,
     encode_sample_response,
     max_sample_response_size,
+    plan_sample_response,
     sample_response_size,
     stop_reason_code,
 )
@@ -175,6 +176,20 @@ def test_into_mmap_and_memoryview_slice():
         assert encode_sample_response(dc, view, 7) == len(want)
         assert mm[107 : 107 + len(want)] == want
         view.release()
+
+
+def test_a_plan_made_first_encodes_the_same_bytes():
+    """plan_sample_response (the encoder sizes its arena slot with it, then writes with it):
+    its size is sample_response_size and encoding with it gives the reference bytes."""
+    dc = DecodedCompletion([ch([1, 2, 3], [-1.0, -2.0, -3.0], "stop", 0), ch([4], None, "length", 1)],
+                           prompt_logprobs=np.array([np.nan, -1.0], np.float32), prompt_cache_hit_tokens=3)
+    want = reference_message(dc).SerializeToString()
+    plan = plan_sample_response(dc)
+    assert plan[1] == sample_response_size(dc) == len(want)
+    out = bytearray(len(want) + 9)
+    assert encode_sample_response(dc, out, 9, plan=plan) == len(want)
+    assert bytes(out[9:]) == want
+    assert encode_sample_response(dc, plan=plan) == want
 
 
 def test_out_buffer_errors():
