@@ -1130,7 +1130,10 @@ class EncoderProc:
             while True:
                 await asyncio.sleep(cfg.futures.sweep_interval_s)
                 core.sweep()
-                core.flush_metrics()
+                try:
+                    core.flush_metrics()
+                except Exception:  # never let the metrics stop the TTL sweep
+                    log.exception("encoder %d: writing the Prometheus metrics failed", shard)
                 # Receive buffers no answer used for a while, then engine answers freed after a
                 # burst that stay in glibc's heap: give them back.
                 engine.sweep(BUFFER_IDLE_S)
