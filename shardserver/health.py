@@ -37,14 +37,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
-
-import aiohttp
+from typing import TYPE_CHECKING, Any, Callable
 
 from .aio import cancel_and_wait
 from .config import engine_base_url, mask_url, mask_urls_in
 from .engine_request import parse_model_windows
 from .messages import EngineReachability
+
+if TYPE_CHECKING:
+    import aiohttp
+
+# aiohttp is imported where a probe runs (the encoders): the front-ends import this module for
+# readiness() only, and aiohttp is ~16 MiB of each process's private memory.
 
 __all__ = ["EngineProbe", "readiness", "engine_models_of"]
 
@@ -95,6 +99,8 @@ class EngineProbe:
         """Start probing in the running event loop (the first probe runs at once)."""
         if self.interval_s <= 0:
             return
+        import aiohttp
+
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1, force_close=True),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers)
@@ -133,6 +139,8 @@ class EngineProbe:
     async def check_once(self) -> bool:
         """Probe once and record the result; returns whether the engine is reachable."""
         assert self._session is not None, "EngineProbe.start() was not called"
+        import aiohttp
+
         try:
             async with self._session.get(self.url) as resp:
                 status = resp.status
@@ -164,6 +172,8 @@ class EngineProbe:
         at every probe, so a restart with another model or ``--max-model-len`` is noticed. An
         engine without the endpoint (some routers) or without the field keeps what was learned."""
         assert self._session is not None
+        import aiohttp
+
         try:
             async with self._session.get(self.models_url) as resp:
                 status = resp.status

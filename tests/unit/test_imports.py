@@ -1,0 +1,14 @@
+"""What a front-end process loads: aiohttp (~16 MiB of private memory per process at import,
+~6.5 MiB net of what the front-end shares with it) is the encoders' engine client and probe,
+not the front-ends'."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_a_front_end_does_not_import_aiohttp() -> None:
+    code = "import sys, shardserver.workers.frontend; print(sorted(m for m in sys.modules if m.split('.')[0] == 'aiohttp'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "[]"), out.stderr[-2000:]
