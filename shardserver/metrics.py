@@ -545,20 +545,29 @@ def render(shard_replies: list[dict[str, Any]]) -> bytes:
     return generate_latest(registry) + generate_latest(gauges)
 
 
+RECONNECT_GRACE_S = 0.6
+"""Seconds :func:`gather_stats` waits for a front-end's connection to an encoder that is not
+connected (one reconnect attempt of :class:`shardserver.control.ControlClient`, whose retry
+delay is at most 0.5 s) before it reports the encoder down."""
+
+
 async def gather_stats(clients: list[Any], timeout: float = 2.0) -> list[dict[str, Any]]:
     """STATS of every shard as plain dicts (the fields of :class:`shardserver.messages.StatsReply`),
     or ``{"shard": s, "error": ...}`` for one that is down, slow or failing.
 
     Args:
         clients: the front-end's :class:`shardserver.control.ControlClient` list.
-        timeout: seconds to wait for each reply.
+        timeout: seconds to wait for each reply (and, for an encoder not connected, up to
+            :data:`RECONNECT_GRACE_S` of it for the connection).
     """
     import msgspec
 
     from .errors import ControlError, EncoderDeadError
 
     async def one(c: Any) -> dict[str, Any]:
-        if not c.connected:
+        # A restarted encoder listens before every front-end has reconnected (their retry delay
+        # is up to 0.5 s): give the connection that long rather than report a live encoder down.
+        if not c.connected and not await c.wait_connected(min(timeout, RECONNECT_GRACE_S)):
             return {"shard": c.shard, "error": f"encoder {c.shard} is not connected"}
         try:
             return msgspec.to_builtins(await c.stats(timeout=timeout))

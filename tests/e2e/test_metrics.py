@@ -365,7 +365,10 @@ def test_counts_survive_an_encoder_restart(gw):
         if st == 200 and new.get(0) not in (None, pid):
             break
         time.sleep(0.05)
+    # A front-end that has not reconnected to the new encoder yet waits for it (up to 0.6 s)
+    # rather than report shard 0 down, whichever front-end answers the scrape.
     _, m = scrape(gw.url)
+    assert m[("shardserver_encoder_up", (("shard", "0"),))] == 1
     assert total(m, "shardserver_worker_restarts_total", role="encoder") == 1
     assert total(m, "shardserver_results_completed_total") == completed  # the dead encoder's counts are kept
     assert m[("shardserver_futures", (("shard", "0"), ("stage", "retrieved")))] == 0  # its futures are gone
