@@ -21,6 +21,11 @@ otherwise they are materialized with ``Array.as_list`` once and reduced with num
 (:mod:`shardserver.codec.prompt_logprobs`, which also builds the top-k matrices for
 both paths). This module validates the body, the choices and the prompt ids, and picks
 the path (``_decode_prompt_logprobs``).
+
+Bodies of :data:`~shardserver.codec.split.SPLIT_MIN_BYTES` or more first try the split parse
+(:mod:`shardserver.codec.split`): each choice's ``logprobs`` object is cut out of the body and
+only its ``token_logprobs`` array is parsed, the rest of the body is parsed and checked as
+usual; if anything on that path does not fit, the body is parsed whole.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ import simdjson
 from shardserver.codec.json_types import INT32_MAX, NUMBER, is_int, type_name
 from shardserver.codec.prompt_logprobs import decode_prompt_rows, fill_own, fill_topk
 from shardserver.codec.prompt_scan import scan_prompt_logprobs
+from shardserver.codec.split import (
+    SPLIT_MIN_BYTES,
+    find_logprob_spans,
+    placeholder,
+    placeholder_nonce,
+    searchable,
+    skeleton,
+)
 from shardserver.errors import EngineBodyError
 
 __all__ = [
@@ -134,10 +147,15 @@ class CompletionDecoder:
     Not thread-safe: the parser's buffers are reused across calls.
     """
 
-    __slots__ = ("_parser",)
+    __slots__ = ("_parser", "_lp_parser", "_nonce", "split_decodes", "whole_decodes")
 
     def __init__(self) -> None:
         self._parser = simdjson.Parser()
+        self._lp_parser = simdjson.Parser()  # token_logprobs arrays of the split parse
+        self._nonce = placeholder_nonce()
+        #: bodies decoded by the split parse / parsed whole (split attempts that fell back included)
+        self.split_decodes = 0
+        self.whole_decodes = 0
 
     def decode(
         self,
@@ -184,6 +202,16 @@ class CompletionDecoder:
         if not isinstance(body, (bytes, bytearray, memoryview)):
             body = bytes(body)
         try:
+            if len(body) >= SPLIT_MIN_BYTES:
+                try:
+                    out = self._decode_split(body, num_samples, prompt_token_ids, prompt_logprobs,
+                                             topk_prompt_logprobs)
+                except (_NotSplit, EngineBodyError, ValueError, UnicodeDecodeError, RuntimeError):
+                    out = None  # the whole parse below decides, with its own error messages
+                if out is not None:
+                    self.split_decodes += 1
+                    return out
+            self.whole_decodes += 1
             return self._decode(body, num_samples, prompt_token_ids, prompt_logprobs, topk_prompt_logprobs)
         except EngineBodyError as e:
             # Drop the traceback and context: their frames hold simdjson proxies, and a live
@@ -198,6 +226,50 @@ class CompletionDecoder:
                 self._parser = simdjson.Parser()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _decode_split(
+        self,
+        body: bytes | bytearray | memoryview,
+        num_samples: int,
+        prompt_ids_arg: np.ndarray | None,
+        want_plp: bool,
+        k: int,
+    ) -> DecodedCompletion | None:
+        """The split parse (:mod:`shardserver.codec.split`): None when the body's layout does not
+        allow it. Any exception it raises means "parse the body whole" to the caller."""
+        n = len(body)
+        spans = find_logprob_spans(searchable(body), n, num_samples)
+        if spans is None:
+            return None
+        view = body if isinstance(body, memoryview) else memoryview(body)
+        arrays: list[np.ndarray] = []
+        try:
+            for i, (a, b) in enumerate(spans.arrays):
+                piece = view[a:b]
+                try:
+                    arr = self._parse_lp(piece)
+                finally:
+                    piece.release()
+                try:
+                    arrays.append(_float_array(arr, f"choices[{i}].logprobs.token_logprobs"))
+                finally:
+                    del arr  # a live proxy would stop the parser's reuse
+        finally:
+            if view is not body:
+                view.release()
+        holders = [placeholder(self._nonce, i) for i in range(num_samples)]
+        skel = skeleton(body, n, spans, [h for h, _ in holders])
+        return self._decode(skel, num_samples, prompt_ids_arg, want_plp, k,
+                            split=([v for _, v in holders], arrays))
+
+    def _parse_lp(self, data: memoryview):
+        """Parse one ``token_logprobs`` array of the split parse (a second parser, so the
+        skeleton's document can stay alive)."""
+        try:
+            return self._lp_parser.parse(data)
+        except RuntimeError:
+            self._lp_parser = simdjson.Parser()
+            return self._lp_parser.parse(data)
 
     def _parse(self, body: bytes):
         """Parse ``body``; simdjson's errors (ValueError, UnicodeDecodeError, RuntimeError) propagate.
@@ -222,11 +294,15 @@ class CompletionDecoder:
         prompt_ids_arg: np.ndarray | None,
         want_plp: bool,
         k: int,
+        split: tuple[list[str], list[np.ndarray]] | None = None,
     ) -> DecodedCompletion:
-        """:meth:`decode` after the argument checks: parse, then each part of the body in turn."""
+        """:meth:`decode` after the argument checks: parse, then each part of the body in turn.
+
+        ``split``: for a skeleton (:meth:`_decode_split`), the placeholder each choice position
+        must hold as its ``logprobs`` and that position's already decoded logprobs."""
         doc = self._parse_document(body)
         choices = _choices_array(doc, num_samples)
-        decoded, choice0, c0pos = _decode_choices(choices)
+        decoded, choice0, c0pos = _decode_choices(choices, split)
         aborted = any(c.finish_reason == "abort" for c in decoded)
         where0 = f"choices[{c0pos}]"
         pids = _prompt_ids(choice0, where0, prompt_ids_arg)
@@ -283,12 +359,20 @@ def _choices_array(doc, num_samples: int):
     return choices
 
 
-def _decode_choices(choices) -> tuple[list[DecodedChoice], object, int]:
+class _NotSplit(Exception):
+    """A skeleton whose ``logprobs`` values are not the placeholders where they must be."""
+
+
+def _decode_choices(choices, split: tuple[list[str], list[np.ndarray]] | None = None
+                    ) -> tuple[list[DecodedChoice], object, int]:
     """Decode every choice; returns them sorted by index, plus the index-0 choice's proxy and position.
+
+    ``split``: see :meth:`CompletionDecoder._decode`.
 
     Raises:
         EngineBodyError: a choice that is not an object or fails :func:`_decode_choice`, a
             duplicate or missing index.
+        _NotSplit: with ``split``, a choice whose ``logprobs`` is not its placeholder.
     """
     m = len(choices)
     slots: list[DecodedChoice | None] = [None] * m
@@ -299,7 +383,7 @@ def _decode_choices(choices) -> tuple[list[DecodedChoice], object, int]:
         where = f"choices[{pos}]"
         if not isinstance(c, _Object):
             raise EngineBodyError(where, f"expected an object, got {type_name(c)}")
-        dc = _decode_choice(c, where, m)
+        dc = _decode_choice(c, where, m, None if split is None else (split[0][pos], split[1][pos]))
         if slots[dc.index] is not None:
             raise EngineBodyError(f"{where}.index", f"duplicate index {dc.index}")
         slots[dc.index] = dc
@@ -448,7 +532,7 @@ def _float_array(arr, where: str) -> np.ndarray:
     return f
 
 
-def _decode_choice(c, where: str, m: int) -> DecodedChoice:
+def _decode_choice(c, where: str, m: int, split: tuple[str, np.ndarray] | None = None) -> DecodedChoice:
     index = c.get("index")
     if not is_int(index):
         raise EngineBodyError(f"{where}.index", f"expected an int, got {type_name(index)}")
@@ -481,7 +565,16 @@ def _decode_choice(c, where: str, m: int) -> DecodedChoice:
 
     lp = c.get("logprobs")
     logprobs = None
-    if lp is not None:
+    if split is not None:
+        if not (isinstance(lp, str) and lp == split[0]):
+            raise _NotSplit(where)
+        logprobs = split[1]
+        if logprobs.size != token_ids.size:
+            raise EngineBodyError(
+                f"{where}.logprobs.token_logprobs",
+                f"{logprobs.size} logprobs for {token_ids.size} token_ids",
+            )
+    elif lp is not None:
         if not isinstance(lp, _Object):
             raise EngineBodyError(f"{where}.logprobs", f"expected an object or null, got {type_name(lp)}")
         tl = lp.get("token_logprobs")

@@ -671,9 +671,12 @@ class EncoderCore:
                     return
                 t0 = time.perf_counter()
                 self.timers.engine(t0 - t_engine, True)
+                split0 = self.decoder.split_decodes
                 try:
                     dc = self.decoder.decode(data, num_samples=n, prompt_token_ids=prompt,
                                              prompt_logprobs=want_plp, topk_prompt_logprobs=topk)
+                    if self.decoder.split_decodes != split0:
+                        self.counters["engine_bodies_split"] += 1  # shardserver.codec.split
                 except EngineBodyError as exc:
                     self._fail(e, str(exc), "server")
                     return

@@ -48,6 +48,7 @@ from shardserver.codec import (
     sample_response_size,
 )
 from shardserver.codec import decode as decode_mod
+from shardserver.codec import split as split_mod
 from shardserver.errors import EngineBodyError
 
 # --------------------------------------------------------------------------------------------
@@ -388,26 +389,76 @@ def _no_fast_path(*_a, **_k):
 
 _DEC = CompletionDecoder()
 _REF_DEC = CompletionDecoder()
+_SPLIT_DEC = CompletionDecoder()
 _EXPECTED = {id(b): _snapshot(_REF_DEC.decode(b.body, **b.kw)) for b in BASES}
 
 
+def _split_alternative(body: bytes, kw: dict) -> bytes | None:
+    """``body`` with each choice's ``logprobs`` object cut down to ``{"token_logprobs":[...]}``
+    (its own array bytes): what the split parse reads of it. None when the split does not apply."""
+    spans = split_mod.find_logprob_spans(body, len(body), kw["num_samples"])
+    if spans is None:
+        return None
+    out, pos = [], 0
+    for (s, e), (a, b) in zip(spans.objects, spans.arrays):
+        out += [body[pos:s], b'{"token_logprobs":', body[a:b], b"}"]
+        pos = e
+    out.append(body[pos:])
+    return b"".join(out)
+
+
 def check_contract(body: bytes, kw: dict, *, base: Base | None = None) -> tuple:
-    """Decode ``body`` (fast path enabled and disabled); assert the contract; return the outcome."""
-    res = _outcome(_DEC, body, kw)
-    saved = decode_mod.scan_prompt_logprobs
-    decode_mod.scan_prompt_logprobs = _no_fast_path
+    """Decode ``body`` (prompt fast path enabled and disabled; split parse off, then forced on);
+    assert the contract; return the outcome."""
+    saved_min = decode_mod.SPLIT_MIN_BYTES
+    decode_mod.SPLIT_MIN_BYTES = 1 << 62  # the whole parse: the contract below is the reference's
     try:
-        ref = _outcome(_REF_DEC, body, kw)
+        res = _outcome(_DEC, body, kw)
+        saved = decode_mod.scan_prompt_logprobs
+        decode_mod.scan_prompt_logprobs = _no_fast_path
+        try:
+            ref = _outcome(_REF_DEC, body, kw)
+        finally:
+            decode_mod.scan_prompt_logprobs = saved
     finally:
-        decode_mod.scan_prompt_logprobs = saved
+        decode_mod.SPLIT_MIN_BYTES = saved_min
     assert res[:2] == ref[:2], f"fast path {res[:2]!r:.300} != generic {ref[:2]!r:.300}"
     oracle = reference(body, kw)
     if oracle is not None:
         assert (res[:1] if res[0] == "err" else res[:2]) == oracle, f"decoder {res[:3]!r:.400} != reference {oracle!r:.300}"
+    check_split(body, kw, res)
     # The decoder still works after this input.
     if base is not None:
         assert _snapshot(_DEC.decode(base.body, **base.kw)) == _EXPECTED[id(base)]
     return res[:2]
+
+
+def check_split(body: bytes, kw: dict, whole: tuple) -> None:
+    """The split parse (forced on, whatever the size) on ``body``, against the whole parse's
+    outcome ``whole``: where the whole parse succeeds, the same result bit for bit; where it
+    fails, either the same error (the split path fell back) or exactly the whole parse's
+    result for the body with every ``logprobs`` object cut down to its ``token_logprobs``
+    (the fields the split parse does not read, and the only place it may differ)."""
+    saved_min = decode_mod.SPLIT_MIN_BYTES
+    decode_mod.SPLIT_MIN_BYTES = 0
+    try:
+        n0 = _SPLIT_DEC.split_decodes
+        got = _outcome(_SPLIT_DEC, body, kw)
+        took_split = _SPLIT_DEC.split_decodes > n0
+    finally:
+        decode_mod.SPLIT_MIN_BYTES = saved_min
+    if whole[0] == "ok" or not took_split:
+        assert got[:3] == whole[:3] if got[0] == "err" else got[:2] == whole[:2], (
+            f"split {got[:3]!r:.300} != whole {whole[:3]!r:.300}")
+        return
+    alt = _split_alternative(body, kw)
+    assert alt is not None
+    decode_mod.SPLIT_MIN_BYTES = 1 << 62
+    try:
+        expect = _outcome(_REF_DEC, alt, kw)
+    finally:
+        decode_mod.SPLIT_MIN_BYTES = saved_min
+    assert got[:2] == expect[:2], f"split {got[:2]!r:.300} != whole parse of the cut body {expect[:2]!r:.300}"
 
 
 # --------------------------------------------------------------------------------------------
