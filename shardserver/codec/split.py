@@ -33,6 +33,20 @@ forward from the previous match, so a span never reaches past its own choice: se
 backwards from the end of the body would, in a body with a second ``choices`` key (the
 fuzz regression ``escaped_duplicate_choices_key``), swallow the first array's tail.
 
+That first ``]},"finish_reason":`` need not close the object, though: the object may close
+earlier and the span run on over later keys of the choice, or past it into another object
+(``..."top_logprobs":[..]},"stop_reason":7,"x":{"z":[]},"finish_reason":..``). The skeleton
+is then still valid JSON with the placeholder in place, but it has lost those keys, or taken
+another object's as the choice's; the placeholder check cannot see it. So the span must also
+read ``..],"tokens":[..],"top_logprobs":[..]}`` with no ``[`` byte in either array
+(``_one_object``). Then, in a valid body, those two ``[`` are the only arrays opened after
+``token_logprobs``; the pattern's ``]`` before ``,"top_logprobs"`` (structural, as above) can
+only close ``tokens``, so ``top_logprobs`` is a key of the object, and the ``]`` that ends the
+span, structural too, can only close ``top_logprobs`` (once it is closed no array is open to
+close), so the ``}`` after it closes the object. A ``[`` inside a token cannot be told from a
+structural one without tracking strings over the whole span (about as slow as parsing it), so
+such a body (code, markup) takes the full parse.
+
 The placeholder check makes the layout assumptions safe for the skeleton: a placeholder can
 only be read as ``choices[i].logprobs`` if the skeleton's bytes before it end, outside any
 string, right where that value starts, and the bytes after it continue validly; so the
@@ -41,8 +55,8 @@ skeleton *is* the body with those values swapped, and everything outside them wa
 What is not checked
 -------------------
 Inside each replaced ``logprobs`` object only ``token_logprobs`` is parsed (and must be a
-flat array of numbers); ``text_offset`` only up to its first ``]``; ``tokens`` and
-``top_logprobs`` are not read, so malformed JSON or lengths that disagree with
+flat array of numbers); ``text_offset`` only up to its first ``]``; of ``tokens`` and
+``top_logprobs`` only the bytes ``[`` and ``]`` are looked at, so malformed JSON or lengths that disagree with
 ``token_ids`` *there* go unnoticed on this path, where the full parse would fail the
 sample. No vLLM version writes such a body, the gateway never reads those fields, and the
 result is the same either way. Bodies under :data:`SPLIT_MIN_BYTES` always take the full parse.
@@ -65,6 +79,8 @@ SPLIT_MIN_BYTES = 32 * 1024
 _LP_KEY = b',"logprobs":{"text_offset":['
 _TL_KEY = b'],"token_logprobs":['
 _LP_END = b']},"finish_reason":'
+_TOKENS_KEY = b',"tokens":['
+_TOP_KEY = b'],"top_logprobs":['
 #: ``]`` bytes looked at one by one before the end search becomes a plain search (a token
 #: that holds ``]`` is one more stop; code can have many).
 _HOPS = 64
@@ -137,7 +153,7 @@ def find_logprob_spans(body, n_bytes: int, num_samples: int) -> LogprobSpans | N
             return None
         b += 1
         e = _object_end(body, b, n_bytes)
-        if e < 0:
+        if e < 0 or not _one_object(body, b, e):
             return None
         objects.append((start, e))
         arrays.append((a, b))
@@ -162,6 +178,19 @@ def _object_end(body, pos: int, n_bytes: int) -> int:
         pos += 1
     pos = body.find(_LP_END, pos, n_bytes)
     return -1 if pos < 0 else pos + 2
+
+
+def _one_object(body, b: int, e: int) -> bool:
+    """Whether ``body[b:e]`` (from just past the ``token_logprobs`` array to just past the ``}``
+    that :func:`_object_end` found) is ``,"tokens":[..],"top_logprobs":[..]}`` with no ``[``
+    byte in either array: then, in a valid body, the object really ends at ``e`` (module
+    docstring). Two ``memchr`` passes; a token that holds ``[`` sends the body down the full parse."""
+    if body.find(_TOKENS_KEY, b, b + len(_TOKENS_KEY)) != b:
+        return False
+    q = body.find(b"[", b + len(_TOKENS_KEY), e)  # top_logprobs' '[', if the layout holds
+    t = q + 1 - len(_TOP_KEY)
+    return (t > b + len(_TOKENS_KEY) - 1 and body.find(_TOP_KEY, t, q + 1) == t
+            and body.find(b"[", q + 1, e) < 0)
 
 
 def placeholder_nonce() -> str:

@@ -100,20 +100,25 @@ def _body(choices: list[dict]) -> bytes:
                             "prompt_tokens_details": {"cached_tokens": 5}}})
 
 
-def test_strings_that_spell_the_patterns_do_not_move_the_spans():
+@pytest.mark.parametrize("with_open_bracket", [False, True])
+def test_strings_that_spell_the_patterns_do_not_move_the_spans(with_open_bracket):
     # Tokens and text holding every pattern the search uses, and more than 64 "]" (the end
-    # search's hop limit) before the real end of the logprobs object.
+    # search's hop limit) before the real end of the logprobs object. A "[" in tokens or
+    # top_logprobs is not told apart from a structural one (split._one_object): such a body
+    # takes the whole parse, with the same result.
     n = 9000
     rng = np.random.default_rng(11)
-    tokens = [["]", ']},"finish_reason":', ',"logprobs":{"text_offset":[', '],"token_logprobs":[', "\\]",
-               "é]", " w"][i % 7] for i in range(n)]
+    patterns = ["]", ']},"finish_reason":', "\\]", "é]", " w", '],"top_logprobs":', ']}},"finish_reason":']
+    if with_open_bracket:
+        patterns += [',"logprobs":{"text_offset":[', '],"token_logprobs":[', '],"top_logprobs":[']
+    tokens = [patterns[i % len(patterns)] for i in range(n)]
     lps = [float(np.float32(-x)) for x in rng.exponential(1.0, n)]
     ids = rng.integers(0, 151000, n).tolist()
     text = ',"logprobs":{"text_offset":[1],"token_logprobs":[2]},"finish_reason":"stop"' * 50
     body = _body([_big_choice(tokens, lps, ids, text)])
     assert body.count(b"]") > 1000
     got, took = _split(body, num_samples=1)
-    assert took
+    assert took != with_open_bracket
     c = got.choices[0]
     assert (c.token_ids.tolist(), c.logprobs.tolist(), c.stop_reason) == (ids, lps, ']},"finish_reason":')
     assert got.prompt_cache_hit_tokens == 5
@@ -207,3 +212,44 @@ def test_find_logprob_spans_offsets():
     # A receive buffer holds stale bytes past the body: nothing is matched across n_bytes.
     for cut in (e - 1, b + 5):
         assert find_logprob_spans(body, cut, 1) is None
+
+
+# A logprobs object whose span (up to the first ``]},"finish_reason":``) is not one JSON value:
+# the object closes early and the span runs on over later keys, into another object or past the
+# choice. The skeleton is then valid JSON with the placeholder where it must be, but it is not
+# the body with one value swapped (keys of the body are dropped from it, or keys of another
+# object become the choice's). These bodies must decode exactly as the whole parse does.
+_LP = b'{"text_offset":[0],"token_logprobs":[-1.0],"tokens":["a"],"top_logprobs":[{"a":-1.0}]}'
+_PAD = b"p" * SPLIT_MIN_BYTES
+
+
+@pytest.mark.parametrize("body,expect", [
+    # keys after logprobs in the choice, the last one before finish_reason an object ending in an array
+    (b'{"choices":[{"index":0,"text":"' + _PAD + b'","logprobs":' + _LP
+     + b',"stop_reason":7,"x":{"z":[]},"finish_reason":"stop","token_ids":[5]}]}', ([5], 7)),
+    (b'{"choices":[{"index":0,"text":"' + _PAD + b'","logprobs":' + _LP
+     + b',"token_ids":[5],"x":{"z":[]},"finish_reason":"stop","token_ids":[6]}]}', ([5], None)),
+    # the span runs past the choice into an object of another top-level array
+    (b'{"choices":[{"index":0,"text":"' + _PAD + b'","finish_reason":"stop","token_ids":[5],"logprobs":' + _LP
+     + b'}],"other":[{"q":{"w":[]},"finish_reason":"length","stop_reason":7}],"usage":null}', ([5], None)),
+])
+def test_a_span_that_is_not_the_logprobs_object_is_parsed_whole(body, expect):
+    assert len(body) >= SPLIT_MIN_BYTES
+    d = CompletionDecoder()
+    got = d.decode(body, num_samples=1)
+    c = got.choices[0]
+    assert (c.token_ids.tolist(), c.logprobs.tolist(), c.finish_reason, c.stop_reason) == (
+        expect[0], [-1.0], "stop", expect[1])
+    assert (d.split_decodes, d.whole_decodes) == (0, 1)
+
+
+def test_a_span_that_swallows_the_next_choice_is_parsed_whole():
+    # Two choices; the span of choice 0's logprobs runs into choice 1, so the skeleton has one
+    # choice: the whole parse's error must be raised, not a one-choice result.
+    body = (b'{"choices":[{"index":0,"text":"' + _PAD + b'","logprobs":' + _LP
+            + b'},{"index":1,"q":{"w":[]},"finish_reason":"stop","token_ids":[5]}]}')
+    d = CompletionDecoder()
+    with pytest.raises(EngineBodyError) as ei:
+        d.decode(body, num_samples=1)
+    assert (ei.value.where, ei.value.reason) == ("choices", "2 choices, expected num_samples=1")
+    assert (d.split_decodes, d.whole_decodes) == (0, 1)
