@@ -39,11 +39,11 @@ earlier and the span run on over later keys of the choice, or past it into anoth
 is then still valid JSON with the placeholder in place, but it has lost those keys, or taken
 another object's as the choice's; the placeholder check cannot see it. So the span must also
 read ``..],"tokens":[..],"top_logprobs":[..]}`` with no ``[`` byte in either array
-(``_one_object``). Then, in a valid body, those two ``[`` are the only arrays opened after
-``token_logprobs``; the pattern's ``]`` before ``,"top_logprobs"`` (structural, as above) can
-only close ``tokens``, so ``top_logprobs`` is a key of the object, and the ``]`` that ends the
-span, structural too, can only close ``top_logprobs`` (once it is closed no array is open to
-close), so the ``}`` after it closes the object. A ``[`` inside a token cannot be told from a
+(``_top_logprobs_open`` and the caller). Then, in a valid body, those two ``[`` are the only
+arrays opened after ``token_logprobs``; the pattern's ``]`` before ``,"top_logprobs"``
+(structural, as above) can only close ``tokens``, so ``top_logprobs`` is a key of the object,
+and the ``]`` that ends the span, structural too, can only close ``top_logprobs`` (once it is
+closed no array is open to close), so the ``}`` after it closes the object. A ``[`` inside a token cannot be told from a
 structural one without tracking strings over the whole span (about as slow as parsing it), so
 such a body (code, markup) takes the full parse.
 
@@ -134,7 +134,8 @@ def find_logprob_spans(body, n_bytes: int, num_samples: int) -> LogprobSpans | N
 
     Returns:
         The spans, or ``None`` when the body does not have that layout (``"logprobs": null``,
-        whitespace, another key order, too few choices ...): the caller then parses it whole.
+        whitespace, another key order, too few choices, a ``[`` in a token ...): the caller then
+        parses it whole.
     """
     objects: list[tuple[int, int]] = []
     arrays: list[tuple[int, int]] = []
@@ -152,8 +153,11 @@ def find_logprob_spans(body, n_bytes: int, num_samples: int) -> LogprobSpans | N
         if b < 0:
             return None
         b += 1
-        e = _object_end(body, b, n_bytes)
-        if e < 0 or not _one_object(body, b, e):
+        q = _top_logprobs_open(body, b, n_bytes)
+        if q < 0:
+            return None
+        e = _object_end(body, q + 1, n_bytes)
+        if e < 0 or body.find(b"[", q + 1, e) >= 0:  # (module docstring: no '[' in top_logprobs)
             return None
         objects.append((start, e))
         arrays.append((a, b))
@@ -180,17 +184,18 @@ def _object_end(body, pos: int, n_bytes: int) -> int:
     return -1 if pos < 0 else pos + 2
 
 
-def _one_object(body, b: int, e: int) -> bool:
-    """Whether ``body[b:e]`` (from just past the ``token_logprobs`` array to just past the ``}``
-    that :func:`_object_end` found) is ``,"tokens":[..],"top_logprobs":[..]}`` with no ``[``
-    byte in either array: then, in a valid body, the object really ends at ``e`` (module
-    docstring). Two ``memchr`` passes; a token that holds ``[`` sends the body down the full parse."""
-    if body.find(_TOKENS_KEY, b, b + len(_TOKENS_KEY)) != b:
-        return False
-    q = body.find(b"[", b + len(_TOKENS_KEY), e)  # top_logprobs' '[', if the layout holds
+def _top_logprobs_open(body, b: int, n_bytes: int) -> int:
+    """The offset of ``top_logprobs``' ``[`` when ``body[b:]`` (just past the ``token_logprobs``
+    array) reads ``,"tokens":[..],"top_logprobs":[`` with no ``[`` byte inside ``tokens``, else -1.
+    The caller then requires no ``[`` in ``top_logprobs`` either (module docstring). A ``memchr``
+    to the first ``[``, so a token that holds one is turned away before the end search."""
+    if body.find(_TOKENS_KEY, b, min(b + len(_TOKENS_KEY), n_bytes)) != b:
+        return -1
+    q = body.find(b"[", b + len(_TOKENS_KEY), n_bytes)
     t = q + 1 - len(_TOP_KEY)
-    return (t > b + len(_TOKENS_KEY) - 1 and body.find(_TOP_KEY, t, q + 1) == t
-            and body.find(b"[", q + 1, e) < 0)
+    if q < 0 or t < b + len(_TOKENS_KEY) or body.find(_TOP_KEY, t, q + 1) != t:
+        return -1
+    return q
 
 
 def placeholder_nonce() -> str:

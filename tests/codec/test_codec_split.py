@@ -104,7 +104,7 @@ def _body(choices: list[dict]) -> bytes:
 def test_strings_that_spell_the_patterns_do_not_move_the_spans(with_open_bracket):
     # Tokens and text holding every pattern the search uses, and more than 64 "]" (the end
     # search's hop limit) before the real end of the logprobs object. A "[" in tokens or
-    # top_logprobs is not told apart from a structural one (split._one_object): such a body
+    # top_logprobs is not told apart from a structural one (split._top_logprobs_open): such a body
     # takes the whole parse, with the same result.
     n = 9000
     rng = np.random.default_rng(11)
