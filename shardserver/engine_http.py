@@ -116,7 +116,7 @@ class BodyBuffers:
         counters: where ``engine_buffers_reused`` / ``engine_buffers_new`` (answers that got a
             kept buffer / a new one) are counted, e.g. the encoder's ``ShardCounters``.
 
-    Buffers are uint8 ``numpy`` arrays over anonymous memory mappings of their own (no zeroing
+    Buffers are uint8 ``numpy`` arrays over private anonymous memory mappings of their own (no zeroing
     pass of ours; freed, a buffer's pages go straight back to the kernel instead of staying in
     malloc's heap); callers see a ``memoryview`` of the answer's length.
     """
@@ -158,7 +158,10 @@ class BodyBuffers:
             # malloc's heap, thousands of freed answer buffers stayed resident (glibc raises its
             # mmap threshold to the largest block freed, so they came from the heap, which then
             # only shrinks from its top).
-            buf = np.frombuffer(mmap.mmap(-1, c), dtype=np.uint8)
+            # Private, not shared (mmap's default for -1): a fresh private page costs the kernel
+            # about half what a shmem page does (no page-cache insert; 2.75 MB filled fresh,
+            # 1.6 vs 2.4-2.9 ms on 2 CPUs), and nothing else ever maps these buffers.
+            buf = np.frombuffer(mmap.mmap(-1, c, flags=mmap.MAP_PRIVATE), dtype=np.uint8)
             self.allocated += 1
             self.counters["engine_buffers_new"] += 1
         view = buf[:n]
