@@ -169,8 +169,12 @@ class EngineConfig:
     # finished engine call is not replaced, so fewer calls run (never fewer than min(8,
     # pool_size)); below it each finished call is replaced and one more may start, up to
     # pool_size again. Bounds the answers that pile up when the engine answers faster than the
-    # encoder decodes (many answers finishing at once).
-    answer_budget_bytes: int = 64 * 1024 * 1024
+    # encoder decodes (many answers finishing at once). -1 (the default): 16 MiB for http://
+    # engines (a body past it waits in the kernel at no cost; a smaller read-ahead means fewer
+    # fresh receive buffers and less memory: burst-32k and queue-8k 5-14 % less server CPU per
+    # result, ~100 MiB less peak PSS at S=2, benchmarks/README_load.md), 64 MiB for https://
+    # (where it holds engine calls back instead). See answer_budget().
+    answer_budget_bytes: int = -1
     # Longest wait for one of the pool_size connections; then the future answers 410 (the request
     # never reached the engine) and the SDK resubmits it.
     pool_wait_s: float = 1800.0
@@ -216,7 +220,8 @@ class EngineConfig:
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
         _check(self.read_idle_timeout_s, "engine.read_idle_timeout_s", self.read_idle_timeout_s >= 0, "must be >= 0")
         _check(self.pool_size, "engine.pool_size", self.pool_size >= 1, "must be >= 1")
-        _check(self.answer_budget_bytes, "engine.answer_budget_bytes", self.answer_budget_bytes >= 0, "must be >= 0")
+        _check(self.answer_budget_bytes, "engine.answer_budget_bytes", self.answer_budget_bytes >= -1,
+               "must be >= 0, or -1 (16 MiB for http://, 64 MiB for https:// engines)")
         _check(self.pool_wait_s, "engine.pool_wait_s", self.pool_wait_s > 0, "must be > 0")
         _check(self.pool_idle_s, "engine.pool_idle_s", self.pool_idle_s > 0, "must be > 0")
         _check(self.unavailable_budget_s, "engine.unavailable_budget_s", self.unavailable_budget_s > 0,
@@ -226,6 +231,13 @@ class EngineConfig:
         _check(self.max_num_samples, "engine.max_num_samples", self.max_num_samples >= 1, "must be >= 1")
         _check(self.max_body_bytes, "engine.max_body_bytes", self.max_body_bytes >= 1024 * 1024, "must be >= 1 MiB")
         _check(self.health_interval_s, "engine.health_interval_s", self.health_interval_s >= 0, "must be >= 0")
+
+    def answer_budget(self, url: str) -> int:
+        """``answer_budget_bytes`` in effect for an engine at ``url`` (bytes; 0: no bound): the
+        configured value, or for -1 16 MiB when ``url`` is ``http://`` and 64 MiB otherwise."""
+        if self.answer_budget_bytes >= 0:
+            return self.answer_budget_bytes
+        return (16 if url.lower().startswith("http://") else 64) * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -280,12 +280,13 @@ class EngineClient:
             # Receive buffers, in use and kept for reuse together: the answer budget (the bodies it
             # admits are the buffers in use) plus a quarter for their size classes' rounding
             # (at most 1/8), 64 MiB without a budget.
-            keep = self.cfg.answer_budget_bytes * 5 // 4 or 64 << 20
+            budget = self.cfg.answer_budget(self.url)
+            keep = budget * 5 // 4 or 64 << 20
             self._pool = EnginePool(self.url, connect_timeout_s=self.cfg.connect_timeout_s,
                                     idle_s=self.cfg.pool_idle_s, on_bytes=self._add_unclaimed,
                                     keep_buffer_bytes=keep, counters=self.counters,
                                     read_idle_s=self.cfg.read_idle_timeout_s,
-                                    budget_bytes=self.cfg.answer_budget_bytes, held=lambda: self.answer_bytes)
+                                    budget_bytes=budget, held=lambda: self.answer_bytes)
             self._counting = True
             return
         # aiohttp's own pool is unbounded: the encoder starts at most engine.pool_size calls, so

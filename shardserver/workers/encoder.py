@@ -242,7 +242,7 @@ class EncoderCore:
         # engine.answer_budget_bytes: while the engine answers received and not yet decoded
         # (EngineClient.answer_bytes) pass it, finished calls are not replaced (the limit shrinks
         # by one each); below it each finished call is replaced and the limit grows by one.
-        self.answer_budget = cfg.engine.answer_budget_bytes
+        self.answer_budget = cfg.engine.answer_budget(getattr(engine, "url", ""))
         self.min_engine_calls = min(MIN_ENGINE_CALLS, self.max_engine_calls)
         self.engine_call_limit = self.max_engine_calls
         self._grow_credit = 0  # calls finished under the budget since the limit last grew

@@ -88,6 +88,23 @@ def test_engine_url_helpers():
     assert shown["engine"]["url"] == "http://***@h:1"
 
 
+def test_answer_budget_default_depends_on_the_engine_scheme():
+    """engine.answer_budget_bytes = -1 (the default): 16 MiB of answers read ahead of the decoder
+    for http:// engines (a body past it waits in the kernel), 64 MiB for https:// (where the
+    budget holds engine calls back); a value set is used as it is; below -1 is refused."""
+    e = config_from_mapping({}, env={}).engine
+    assert e.answer_budget_bytes == -1
+    assert e.answer_budget("http://127.0.0.1:8000/v1/completions") == 16 * 1024 * 1024
+    assert e.answer_budget("https://vllm.example:443/v1/completions") == 64 * 1024 * 1024
+    e = config_from_mapping({"engine": {"answer_budget_bytes": 0}}, env={}).engine
+    assert e.answer_budget("http://127.0.0.1:8000") == 0
+    e = config_from_mapping({}, env={"SHARDSERVER_ENGINE__ANSWER_BUDGET_BYTES": "67108864"}).engine
+    assert e.answer_budget("http://127.0.0.1:8000") == 64 * 1024 * 1024
+    with pytest.raises(ConfigError) as ei:
+        config_from_mapping({"engine": {"answer_budget_bytes": -2}}, env={})
+    assert "engine.answer_budget_bytes" in str(ei.value)
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load_config(tmp_path / "nope.toml", env={})
