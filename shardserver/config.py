@@ -120,10 +120,6 @@ class ShardsConfig:
 
     count: int = 2
     arena_bytes: int = 256 * MiB
-    # Per shard: bytes of freed arena pages kept resident for the next results (writing into a
-    # punched page costs the kernel a fault, an allocation and zeroing); more, and pages freed
-    # 10 s ago or more, go back to the kernel. 0: every freed page at once.
-    arena_keep_free_bytes: int = 32 * MiB
     # Seconds the supervisor waits for a worker's READY before giving up.
     ready_timeout_s: float = 30.0
     # Per shard: futures waiting for the engine, and the engine request bytes they hold, beyond
@@ -134,8 +130,6 @@ class ShardsConfig:
     def validate(self) -> None:
         _check(self.count, "shards.count", 1 <= self.count <= 256, "must be 1..256")
         _check(self.arena_bytes, "shards.arena_bytes", self.arena_bytes >= 1 * MiB, "must be >= 1 MiB (1048576)")
-        _check(self.arena_keep_free_bytes, "shards.arena_keep_free_bytes", self.arena_keep_free_bytes >= 0,
-               "must be >= 0")
         _check(self.ready_timeout_s, "shards.ready_timeout_s", self.ready_timeout_s > 0, "must be > 0")
         _check(self.max_pending, "shards.max_pending", self.max_pending >= 1, "must be >= 1")
         _check(self.max_pending_request_bytes, "shards.max_pending_request_bytes",

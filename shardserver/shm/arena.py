@@ -57,12 +57,10 @@ Layout (all integers little-endian)::
 from __future__ import annotations
 
 import bisect
-import collections
 import mmap
 import os
 import re
 import struct
-import time
 
 from ..errors import SlotInvalidError
 
@@ -338,24 +336,8 @@ class ArenaWriter:
     fit over a free list kept sorted by offset, with neighbours coalesced on free.
     """
 
-    def __init__(self, name: str, keep_free_bytes: int = 0) -> None:
-        """Open the arena ``name`` (created by :func:`create_arena`) for writing.
-
-        Args:
-            name: the shared-memory segment's name.
-            keep_free_bytes: bytes of freed pages kept resident for the next results instead of
-                being punched out at once (``shards.arena_keep_free_bytes``); 0 punches every
-                freed page at once. See :meth:`free` and :meth:`trim`.
-
-        Raises:
-            FileNotFoundError: no such segment. ValueError: not an arena.
-        """
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.keep_free_bytes = max(0, keep_free_bytes)
-        # Whole pages of freed slots not yet punched, oldest first: (monotonic time freed, lo, hi).
-        # Some may have been handed out again since (they then hold a result and are skipped).
-        self._unreleased: collections.deque[tuple[float, int, int]] = collections.deque()
-        self.unreleased_bytes = 0  # sum of their sizes (an upper bound on freed pages resident)
         self._mm, self.size = _open_map(name, writable=True)
         self._view = memoryview(self._mm)
         self._free_offs: list[int] = [SUPERBLOCK]
@@ -496,30 +478,23 @@ class ArenaWriter:
         self.commit(slot, len(data))
         return slot
 
-    def free(self, slot: Slot, now: float | None = None) -> None:
+    def free(self, slot: Slot) -> None:
         """Invalidate the slot for readers and return its space to the free list; the memory
-        pages it leaves entirely free go back to the kernel (see :meth:`_release_pages`), at once
-        or, with ``keep_free_bytes``, once more than that many bytes of freed pages wait or
-        :meth:`trim` finds them idle. ``now``: ``time.monotonic()`` (for tests)."""
+        pages it leaves entirely free go back to the kernel (see :meth:`_release_pages`)."""
         struct.pack_into("<Q", self._mm, slot.offset, 0)
         slot.generation = 0
         self.live_slots -= 1
         start, end = self._give_back(slot.offset, slot.capacity)
-        self._release_pages(slot.offset, slot.offset + slot.capacity, start, end, now)
+        self._release_pages(slot.offset, slot.offset + slot.capacity, start, end)
 
-    def _release_pages(self, lo: int, hi: int, start: int, end: int, now: float | None = None) -> None:
+    def _release_pages(self, lo: int, hi: int, start: int, end: int) -> None:
         """Punch out of the segment (``MADV_REMOVE``: tmpfs frees them, in every process that
         maps them) the whole pages of ``[lo, hi)`` (a freed slot) that lie inside the free block
         ``[start, end)``. tmpfs keeps every page ever written until the segment is unlinked: with
         results written all over the reservations of many pending requests, the pages resident
         grew with the arena bytes ever reserved rather than those in use (soak-131k poller: 6.4
         GiB of PSS for 271 MiB of results). A reader that meets such a page reads zeros: the
-        slot's generation is 0, which it treats as freed. Counted in :attr:`released_bytes`.
-
-        With ``keep_free_bytes`` > 0 the pages are queued instead, and the oldest queued are
-        punched while more than ``keep_free_bytes`` wait: a result written into pages still
-        resident skips the kernel's fault, allocation and zeroing of each page (a 256 KiB result
-        into punched pages cost 250 µs against 90 µs resident, 2 CPUs)."""
+        slot's generation is 0, which it treats as freed. Counted in :attr:`released_bytes`."""
         if not self._punch:
             return
         p = _PAGE
@@ -529,53 +504,13 @@ class ArenaWriter:
         b = -(-hi // p) * p
         if b > end:
             b -= p
-        if b <= a:
-            return
-        if self.keep_free_bytes <= 0:
-            self._madvise_remove(a, b)
-            return
-        self._unreleased.append((time.monotonic() if now is None else now, a, b))
-        self.unreleased_bytes += b - a
-        while self.unreleased_bytes > self.keep_free_bytes and self._unreleased:
-            self._punch_queued()
-
-    def _madvise_remove(self, a: int, b: int) -> None:
-        try:
-            self._mm.madvise(mmap.MADV_REMOVE, a, b - a)
-        except OSError:  # not tmpfs (a test's plain file) or not supported: keep the pages
-            self._punch = False
-            self._unreleased.clear()
-            self.unreleased_bytes = 0
-            return
-        self.released_bytes += b - a
-
-    def _punch_queued(self) -> None:
-        """Punch the oldest queued range's pages that are still free: only whole pages inside a
-        free block (a page of the range handed out again since holds, or will hold, a result)."""
-        _, a, b = self._unreleased.popleft()
-        self.unreleased_bytes -= b - a
-        p = _PAGE
-        offs = self._free_offs
-        i = max(bisect.bisect_right(offs, a) - 1, 0)
-        while i < len(offs) and offs[i] < b and self._punch:
-            s = offs[i]
-            e = s + self._free_size[s]
-            lo = -(-max(a, s) // p) * p
-            hi = min(b, e) // p * p
-            if hi > lo:
-                self._madvise_remove(lo, hi)
-            i += 1
-
-    def trim(self, idle_s: float, now: float | None = None) -> int:
-        """Punch the still-free pages of slots freed ``idle_s`` seconds ago or more (the encoder
-        calls this every sweep, so an idle shard gives its freed pages back). Returns the bytes
-        of queued ranges processed (an upper bound on the bytes punched)."""
-        cutoff = (time.monotonic() if now is None else now) - idle_s
-        done = 0
-        while self._unreleased and self._unreleased[0][0] <= cutoff:
-            done += self._unreleased[0][2] - self._unreleased[0][1]
-            self._punch_queued()
-        return done
+        if b > a:
+            try:
+                self._mm.madvise(mmap.MADV_REMOVE, a, b - a)
+            except OSError:  # not tmpfs (a test's plain file) or not supported: keep the pages
+                self._punch = False
+                return
+            self.released_bytes += b - a
 
     def shrink(self, slot: Slot, payload: int) -> None:
         """Keep only room for ``payload`` bytes in a reserved (not yet committed) slot; the tail

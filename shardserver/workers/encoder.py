@@ -1092,7 +1092,7 @@ class EncoderProc:
         # the front-ends first, then sends SIGTERM here.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-        arena = ArenaWriter(arena_name, keep_free_bytes=cfg.shards.arena_keep_free_bytes)
+        arena = ArenaWriter(arena_name)
         # In a thread: waiting for a stopping predecessor's lock must not stop the heartbeat.
         journal, taken = await asyncio.to_thread(EncoderProc._open_journal, cfg, shard, journal_tag)
         engine = EngineClient(cfg.engine, engine_url)
@@ -1140,7 +1140,6 @@ class EncoderProc:
                 # Receive buffers no answer used for a while, then engine answers freed after a
                 # burst that stay in glibc's heap: give them back.
                 engine.sweep(BUFFER_IDLE_S)
-                arena.trim(BUFFER_IDLE_S)  # freed arena pages no result reused for a while
                 if trimmer.maybe_trim():
                     core.counters["heap_trims"] += 1
 

@@ -318,40 +318,6 @@ def test_arena_packs_slots_low_so_the_pages_written_follow_the_peak_in_use(arena
     assert highest <= 2 * peak, (highest, peak)
 
 
-def test_arena_keeps_freed_pages_for_the_next_results_and_never_punches_a_reused_one(arena):
-    """shards.arena_keep_free_bytes: freed pages stay resident (the next result written there
-    skips a fault and zeroing per page) until more than keep_free_bytes wait, oldest punched
-    first, or trim() finds them idle. A queued range handed out again before its turn holds a
-    result then: only its still-free pages are punched, never the new result's."""
-    w0, r = arena
-    w = ArenaWriter(w0.name, keep_free_bytes=300_000)
-    path = os.path.join("/dev/shm", w.name)
-    resident = lambda: os.stat(path).st_blocks * 512  # noqa: E731
-    slots = [w.write(bytes([i + 1]) * 200_000) for i in range(5)]
-    assert all(s is not None for s in slots)
-    full = resident()
-    inner1 = ((slots[1].offset + slots[1].capacity) // 4096 - -(-slots[1].offset // 4096)) * 4096
-    w.free(slots[1], now=100.0)  # queued (inner1 <= 300 000): still resident
-    assert (w.released_bytes, w.unreleased_bytes, resident()) == (0, inner1, full)
-    s = w.write(b"\x07" * 150_000)  # first fit: lands in slot 1's queued pages
-    assert s is not None and s.offset == slots[1].offset
-    w.free(slots[3], now=101.0)  # now > 300 000 wait: the oldest (slot 1's) is punched first...
-    # ...but its pages hold the new result now, except those past its end (still free).
-    tail_lo = -(-(s.offset + s.capacity) // 4096) * 4096
-    tail_hi = (slots[1].offset + slots[1].capacity) // 4096 * 4096
-    assert w.released_bytes == tail_hi - tail_lo > 0
-    assert r.read(s.offset, 150_000, s.generation) == b"\x07" * 150_000
-    assert resident() == full - (tail_hi - tail_lo)
-    assert len(w._unreleased) == 1 and w.trim(10.0, now=110.0) == 0  # slot 3's: freed 9 s ago
-    before = w.released_bytes
-    assert w.trim(10.0, now=111.0) > 0 and w.unreleased_bytes == 0  # 10 s idle: punched
-    inner3 = ((slots[3].offset + slots[3].capacity) // 4096 - -(-slots[3].offset // 4096)) * 4096
-    assert w.released_bytes - before == inner3 and resident() == full - (tail_hi - tail_lo) - inner3
-    for k in (0, 2, 4):
-        assert r.read(slots[k].offset, 200_000, slots[k].generation) == bytes([k + 1]) * 200_000
-    w.close()
-
-
 def test_arena_free_gives_the_pages_of_a_freed_slot_back_to_tmpfs(arena):
     """tmpfs keeps every page ever written: a freed slot's whole pages are punched out
     (MADV_REMOVE), so the segment's resident pages follow the results in use, not every byte
