@@ -194,6 +194,43 @@ def cpu_of(pids: list[int]) -> dict[int, float]:
     return out
 
 
+# Seconds a dead driver process's result has to arrive before the run stops waiting for it.
+DRIVER_GONE_GRACE_S = 10.0
+
+
+def collect_driver_results(procs: list[Any], results: Any, hard_end: float, tick: Any = None,
+                           grace_s: float = DRIVER_GONE_GRACE_S) -> list[tuple[str, Any]]:
+    """Wait for every driver process's ``("ok", DriverResult)`` or ``("error", message)`` on
+    ``results`` (a multiprocessing queue), until ``hard_end`` (``time.monotonic()`` seconds).
+
+    Stops early at the first error, and when a process has died without reporting (a crash
+    reports nothing: seen once, 24576/24576 done and then nothing for 500 s): what a dead process
+    put before it exited arrives within ``grace_s``; after that an ``("error", "... exit codes
+    [...]")`` entry is added. ``tick()`` runs every 0.5 s (progress). Returns the entries in the
+    order they came; fewer than ``len(procs)`` when ``hard_end`` passed.
+    """
+    outs: list[tuple[str, Any]] = []
+    gone_since = None
+    while len(outs) < len(procs) and time.monotonic() < hard_end:
+        try:
+            outs.append(results.get(timeout=0.5))
+        except Exception:  # noqa: BLE001 - queue.Empty
+            pass
+        if tick is not None:
+            tick()
+        if any(o[0] == "error" for o in outs):
+            break
+        gone = sum(1 for p in procs if not p.is_alive())
+        if gone > len(outs):
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > grace_s:
+                codes = [p.exitcode for p in procs if not p.is_alive()]
+                outs.append(("error", f"a driver process exited without a result (exit codes {codes})"))
+                break
+        else:
+            gone_since = None
+    return outs
+
 ROLES = ("supervisor", "encoder", "front-end", "other")
 ROLE_PLURAL = {"supervisor": "supervisor", "encoder": "encoders", "front-end": "front-ends", "other": "other"}
 
@@ -707,11 +744,9 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
                 bar = None
         last = 0
         hard_end = t_go + float(spec["time_limit_s"]) + 800
-        while len(outs) < driver_procs and time.monotonic() < hard_end:
-            try:
-                outs.append(results.get(timeout=0.5))
-            except Exception:  # noqa: BLE001 - queue.Empty
-                pass
+
+        def tick() -> bool:
+            nonlocal last
             N = load_driver.N_SLOTS
             done = sum(progress[i * N + load_driver.P_DONE] for i in range(driver_procs))
             failed = sum(progress[i * N + load_driver.P_FAILED] for i in range(driver_procs))
@@ -724,8 +759,9 @@ def run_one(spec: dict[str, Any], shards: int, front_ends: int, label: str, core
                 print(f"\r  {done + failed}/{spec['requests']} done, {failed} failed, {retries} retries, "
                       f"{el:.0f} s", end="", file=sys.stderr, flush=True)
             last = done + failed
-            if any(o[0] == "error" for o in outs):
-                break
+            return True
+
+        outs = collect_driver_results(procs, results, hard_end, tick)
         if bar is not None:
             bar.close()
         wall_cpu_end = time.monotonic()

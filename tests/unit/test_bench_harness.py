@@ -184,3 +184,39 @@ def _drive_poller_mode(drv) -> None:
             await asyncio.gather(drv.poller.task, return_exceptions=True)
 
     asyncio.run(go())
+
+
+def _report_ok(q) -> None:
+    q.put(("ok", 42))
+
+
+def _crash(code: int) -> None:
+    import os
+
+    os._exit(code)  # like a segfault: no "error" is put
+
+
+def test_a_driver_that_dies_without_a_result_stops_the_wait() -> None:
+    """A driver process that crashed reported nothing: the harness waited for the hard limit
+    (seen once: 24576/24576 done, then nothing for 500 s). Now a dead process's missing result
+    becomes an error after the grace, with its exit code; results put before exiting still count."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_report_ok, args=(q,)), ctx.Process(target=_crash, args=(3,))]
+    for p in procs:
+        p.start()
+    t0 = time.monotonic()
+    outs = run_load.collect_driver_results(procs, q, time.monotonic() + 120, grace_s=1.0)
+    for p in procs:
+        p.join(5)
+    assert outs == [("ok", 42), ("error", "a driver process exited without a result (exit codes [0, 3])")]
+    assert time.monotonic() - t0 < 60  # stopped long before the 120 s hard limit
+    q2 = ctx.Queue()
+    procs = [ctx.Process(target=_report_ok, args=(q2,)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    assert run_load.collect_driver_results(procs, q2, time.monotonic() + 120, grace_s=1.0) == [("ok", 42)] * 2
+    for p in procs:
+        p.join(5)
