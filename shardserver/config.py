@@ -165,8 +165,8 @@ class EngineConfig:
     # pool_size again. Bounds the answers that pile up when the engine answers faster than the
     # encoder decodes (many answers finishing at once). -1 (the default): 16 MiB for http://
     # engines (a body past it waits in the kernel at no cost; a smaller read-ahead means fewer
-    # fresh receive buffers and less memory: burst-32k and queue-8k 5-14 % less server CPU per
-    # result, ~100 MiB less peak PSS at S=2, benchmarks/README_load.md), 64 MiB for https://
+    # fresh receive buffers: ~100 MiB less peak PSS at S=2 in burst-32k and queue-8k, ~150 MiB
+    # in soak-131k mid-size, CPU per result unchanged; benchmarks/README_load.md), 64 MiB for https://
     # (where it holds engine calls back instead). See answer_budget().
     answer_budget_bytes: int = -1
     # Longest wait for one of the pool_size connections; then the future answers 410 (the request
