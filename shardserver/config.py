@@ -231,7 +231,7 @@ class EngineConfig:
         configured value, or for -1 16 MiB when ``url`` is ``http://`` and 64 MiB otherwise."""
         if self.answer_budget_bytes >= 0:
             return self.answer_budget_bytes
-        return (16 if url.lower().startswith("http://") else 64) * 1024 * 1024
+        return (16 if urlsplit(url).scheme == "http" else 64) * 1024 * 1024  # as EngineClient.start
 
 
 @dataclass(frozen=True, slots=True)
