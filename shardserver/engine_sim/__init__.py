@@ -57,10 +57,30 @@ Public API (importable from ``shardserver.engine_sim``): :class:`SimConfig`,
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from .config import FaultRule, SimConfig
-from .render import completion_dict, render_completion
-from .request import SimRequestError
-from .server import make_app, run_process, run_standalone, start_sim, stop_sim
+
+# The rest loads on first use (PEP 562): ``shardserver.config`` validates a ``[simulator]``
+# section with SimConfig in every process that loads a configuration (the supervisor among
+# them), and the renderer and server pull in numpy and aiohttp (~40 MiB of private memory in a
+# process that never simulates anything).
+_LAZY = {
+    "completion_dict": ".render", "render_completion": ".render",
+    "SimRequestError": ".request",
+    "make_app": ".server", "run_process": ".server", "run_standalone": ".server",
+    "start_sim": ".server", "stop_sim": ".server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "SimConfig",

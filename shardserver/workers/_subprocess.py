@@ -8,7 +8,7 @@ import os
 from ..config import Config
 from ..process import configure_logging, set_process_title
 
-__all__ = ["child_setup", "configure_logging", "settle_gc", "GC_THRESHOLD"]
+__all__ = ["child_setup", "configure_logging", "settle_gc", "GC_THRESHOLD", "run_encoder", "run_front_end"]
 
 
 def child_setup(role: str, cfg: Config) -> None:
@@ -38,3 +38,22 @@ def settle_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLD)
+
+
+# The spawn targets of the workers. The supervisor hands these to multiprocessing rather than
+# ``EncoderProc.run`` / ``FrontendProc.run``, whose modules it would have to import first: it then
+# carried every worker's imports (numpy, simdjson, protobuf, aiohttp, FastAPI) without using them,
+# 57 MiB of PSS at the demo config. A spawned child unpickles the target by name, so it imports
+# this small module and then the worker's.
+def run_encoder(*args: object, **kwargs: object) -> None:
+    """Run :meth:`shardserver.workers.encoder.EncoderProc.run` (same arguments) in this process."""
+    from .encoder import EncoderProc
+
+    EncoderProc.run(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def run_front_end(*args: object, **kwargs: object) -> None:
+    """Run :meth:`shardserver.workers.frontend.FrontendProc.run` (same arguments) in this process."""
+    from .frontend import FrontendProc
+
+    FrontendProc.run(*args, **kwargs)  # type: ignore[arg-type]

@@ -62,6 +62,7 @@ from .liveness import Heartbeats
 from ..shm.arena import (SHM_DIR, check_shm_space, create_segment, pid_alive, remove_stale_segments, segment_name,
                          shm_free_bytes, unlink_segment)
 from .journal import JOURNAL_DIR, journal_tag
+from ._subprocess import run_encoder, run_front_end
 
 __all__ = ["Supervisor", "ChildSpec", "StartupError"]
 
@@ -293,15 +294,13 @@ class Supervisor:
         return None if self.heartbeats is None else self.heartbeats.slot(self._hb_index(spec))
 
     def _start_encoder(self, spec: ChildSpec) -> mpc.Connection:
-        from .encoder import EncoderProc
-
         name = segment_name(self.pid, self.run_id, spec.index, spec.incarnation)
         create_segment(name, self.cfg.shards.arena_bytes)
         self.segments.add(name)
         spec.extra["arena"] = name
         parent_conn, child_conn = _CTX.Pipe(duplex=False)
         spec.proc = _CTX.Process(
-            target=EncoderProc.run, name=f"shardserver-encoder-{spec.index}", daemon=False,
+            target=run_encoder, name=f"shardserver-encoder-{spec.index}", daemon=False,
             args=(self.cfg, spec.index, name, self._sock_path(spec.index), self.engine_url, self.secret,
                   self.run_id, child_conn, self.pid),
             kwargs={"heartbeat": self._heartbeat_slot(spec), "journal_tag": self.journal_tag})
@@ -311,11 +310,9 @@ class Supervisor:
         return parent_conn
 
     def _start_front_end(self, spec: ChildSpec) -> mpc.Connection:
-        from .frontend import FrontendProc
-
         parent_conn, child_conn = _CTX.Pipe(duplex=False)
         spec.proc = _CTX.Process(
-            target=FrontendProc.run, name=f"shardserver-front-end-{spec.index}", daemon=False,
+            target=run_front_end, name=f"shardserver-front-end-{spec.index}", daemon=False,
             args=(self.cfg, spec.index, self.sock, [self._sock_path(s) for s in range(self.cfg.shards.count)],
                   self.secret, self.run_id, self.pid, child_conn),
             kwargs={"auth": self.keys, "heartbeat": self._heartbeat_slot(spec)})
