@@ -16,7 +16,6 @@ import re
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -76,9 +75,7 @@ MAX_JSON_NESTING = 900
 
 _fast_json = msgspec.json.Decoder().decode
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_OPENS = np.zeros(256, np.int8)
-_OPENS[[ord("["), ord("{")]] = 1
-_OPENS[[ord("]"), ord("}")]] = -1
+_OPENS = None  # uint8 -> +1 ("[", "{"), -1 ("]", "}"), 0; built on first use (numpy loads then)
 
 
 def json_nesting(body: bytes) -> int:
@@ -87,6 +84,14 @@ def json_nesting(body: bytes) -> int:
     Vectorised (numpy) after cutting out string literals; meant for the rare body with more than
     :data:`MAX_JSON_NESTING` brackets, so the hot path never pays for it.
     """
+    global _OPENS
+    import numpy as np  # here, not at the top: front-ends otherwise carry numpy for this alone
+
+    if _OPENS is None:
+        opens = np.zeros(256, np.int8)
+        opens[[ord("["), ord("{")]] = 1
+        opens[[ord("]"), ord("}")]] = -1
+        _OPENS = opens
     if b'"' in body:
         body = _JSON_STRING.sub(b"", body)
     if not body:

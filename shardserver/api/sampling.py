@@ -25,7 +25,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..codec import max_sample_response_size, sample_response_to_json
+from ..codec.sizes import max_sample_response_size
 from ..config import EngineConfig
 from ..engine_request import completion_request_body, context_window
 from ..errors import EncoderDeadError, SlotInvalidError
@@ -416,6 +416,8 @@ async def retrieve_future(request: Request) -> Response:
                 log.debug("re-polling %s after a stale read: %s", fid, exc)
                 continue
             if want == ResultForm.JSON and reply.form == ResultForm.PROTO:
+                from ..codec.json_compat import sample_response_to_json  # pre-0.25 SDKs only
+
                 data = sample_response_to_json(data)
             ctx.count("retrieve_done")
             ctx.count("bytes_delivered", len(data))
