@@ -12,12 +12,13 @@ __all__ = ["max_sample_response_size"]
 def max_sample_response_size(
     num_samples: int, max_tokens: int, prompt_tokens: int, prompt_logprobs: bool, topk_prompt_logprobs: int
 ) -> int:
-    """Upper bound, in bytes, on :func:`sample_response_size` of any result of one sample request.
+    """Upper bound, in bytes, on :func:`shardserver.codec.encode.sample_response_size` of any
+    result of one sample request.
 
     ``asample`` reserves this many bytes of the owning shard's arena before the engine runs, so
     that a finished result always has room (the slot is shrunk to the real size at completion).
-    The bound follows the field map at the top of this module, counting every length varint as
-    5 bytes (enough for any field under 32 GiB):
+    The bound follows the field map at the top of :mod:`shardserver.codec.encode`, counting
+    every length varint as 5 bytes (enough for any field under 32 GiB):
 
     * per sequence, ``8 * max_tokens + 32``: int32 token ids and float32 logprobs
       (4 + 4 bytes per token), plus the ``SampledSequence`` header (1 + 5), ``stop_reason``
