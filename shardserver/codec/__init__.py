@@ -12,29 +12,21 @@
 * :func:`sample_response_to_json` derives the pre-0.25 SDK JSON form from those bytes.
 """
 
-import importlib
-from typing import Any
+from shardserver.lazy import lazy_getattr
 
 # Submodules load on first use (PEP 562): a front-end needs only max_sample_response_size (and
 # sample_response_to_json for pre-0.25 SDKs), and importing the decoder and encoder costs it
 # numpy and simdjson (~20 MiB of private memory per front-end).
 _LAZY = {
-    "FINISH_REASONS": "decode", "TOPK_MASK_LOGPROB": "decode", "TOPK_MASK_TOKEN": "decode",
-    "CompletionDecoder": "decode", "DecodedChoice": "decode", "DecodedCompletion": "decode",
-    "STOP_REASON_LENGTH": "encode", "STOP_REASON_STOP": "encode", "encode_sample_response": "encode",
-    "plan_sample_response": "encode", "sample_response_size": "encode", "stop_reason_code": "encode",
-    "max_sample_response_size": "sizes",
-    "sample_response_to_json": "json_compat",
+    "FINISH_REASONS": ".decode", "TOPK_MASK_LOGPROB": ".decode", "TOPK_MASK_TOKEN": ".decode",
+    "CompletionDecoder": ".decode", "DecodedChoice": ".decode", "DecodedCompletion": ".decode",
+    "STOP_REASON_LENGTH": ".encode", "STOP_REASON_STOP": ".encode", "encode_sample_response": ".encode",
+    "plan_sample_response": ".encode", "sample_response_size": ".encode", "stop_reason_code": ".encode",
+    "max_sample_response_size": ".sizes",
+    "sample_response_to_json": ".json_compat",
 }
 
-
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

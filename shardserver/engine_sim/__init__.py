@@ -57,9 +57,7 @@ Public API (importable from ``shardserver.engine_sim``): :class:`SimConfig`,
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ..lazy import lazy_getattr
 from .config import FaultRule, SimConfig
 
 # The rest loads on first use (PEP 562): ``shardserver.config`` validates a ``[simulator]``
@@ -73,14 +71,7 @@ _LAZY = {
     "start_sim": ".server", "stop_sim": ".server",
 }
 
-
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     "SimConfig",
