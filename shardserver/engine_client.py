@@ -1,5 +1,5 @@
 """The encoder's pooled client to the engine's ``/v1/completions`` (:mod:`shardserver.engine_http`
-for ``http://`` engines, aiohttp for ``https://``).
+for ``http://`` engines; :mod:`shardserver.engine_https`, aiohttp, for ``https://``).
 
 Sampling has no side effects, so a request the engine did not finish can always be sent again.
 Every transport outcome is decided here, in one place:
@@ -68,21 +68,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import email.utils
-import functools
 import json
 import logging
 import random
 import time
-from typing import Any, Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, MutableMapping
 from urllib.parse import urlsplit
-
-import aiohttp
-from aiohttp.client_proto import ResponseHandler
 
 from .config import EngineConfig, engine_base_url, mask_url, mask_urls_in
 from .engine_http import BadResponse, BodyTooLarge, Broken, ConnectFailed, EnginePool
 from .errors import EngineError
 from .messages import EngineOutage
+
+if TYPE_CHECKING:
+    from .engine_https import HttpsTransport
 
 __all__ = ["EngineClient", "AttemptIds", "engine_error_message", "engine_did_not_answer", "NEVER_RAN_STATUSES"]
 
@@ -193,41 +192,6 @@ class _Broken(Exception):
         self.reused = reused
 
 
-class _TraceCtx:
-    """Per-attempt aiohttp trace context: did the attempt get a reused pooled connection?"""
-
-    __slots__ = ("reused",)
-
-    def __init__(self) -> None:
-        self.reused = False
-
-
-async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
-    ctx.trace_request_ctx.reused = True
-
-
-class _CountingHandler(ResponseHandler):
-    """aiohttp's client protocol, also counting the bytes it received that no reader has
-    claimed yet (:meth:`EngineClient._receive` claims a response's bytes when it ends): engine
-    answers in this process's memory, whether a reader has started on them or not."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, owner: "EngineClient") -> None:
-        super().__init__(loop)
-        self._owner = owner
-        self.unclaimed = 0
-
-    def data_received(self, data: bytes) -> None:
-        n = len(data)
-        self.unclaimed += n
-        self._owner._add_unclaimed(n)
-        super().data_received(data)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self._owner._add_unclaimed(-self.unclaimed)
-        self.unclaimed = 0
-        super().connection_lost(exc)
-
-
 class EngineClient:
     """Posts completion request bodies; one instance (one connection pool) per encoder.
 
@@ -245,10 +209,9 @@ class EngineClient:
         self.display_url = mask_url(self.url)  # for messages: no credentials
         self._counters: MutableMapping[str, int] = counters if counters is not None else collections.Counter()
         # http:// engines: the answer is read into one buffer of its size (engine_http.EnginePool);
-        # https:// engines: aiohttp, through two pools (the second never reuses a connection).
+        # https:// engines: aiohttp, through two pools (engine_https, imported only then).
         self._pool: EnginePool | None = None
-        self._session: aiohttp.ClientSession | None = None
-        self._fresh: aiohttp.ClientSession | None = None
+        self._https: HttpsTransport | None = None
         # The engine's outage: monotonic time of the first failure since the last answer, and why.
         self._down_since: float | None = None
         self._down_reason = ""
@@ -258,7 +221,6 @@ class EngineClient:
         self._unclaimed = 0
         self._returned = 0
         self.answer_bytes_peak = 0  # the most answer_bytes ever held (bytes)
-        self._counting = False  # the pools' connections count what they receive (_CountingHandler)
         # Called at every engine answer (the encoder's EngineProbe.kick: a failed probe is re-run at once).
         self.on_answer: Callable[[], None] | None = None
 
@@ -287,39 +249,19 @@ class EngineClient:
                                     keep_buffer_bytes=keep, counters=self.counters,
                                     read_idle_s=self.cfg.read_idle_timeout_s,
                                     budget_bytes=budget, held=lambda: self.answer_bytes)
-            self._counting = True
             return
-        # aiohttp's own pool is unbounded: the encoder starts at most engine.pool_size calls, so
-        # no attempt waits here for a connection (engine.timeout_s is the request's own time).
-        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.cfg.connect_timeout_s)
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_reuseconn.append(_on_reuse)
-        trace.freeze()
-        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.cfg.pool_idle_s)
-        # aiohttp's default read buffer (64 KiB): a larger one cost more memory when many engine
-        # answers arrive at once (measured with benchmarks/run_load.py --scenario queue-8k) and
-        # saved no measurable CPU.
-        fresh = aiohttp.TCPConnector(limit=0, force_close=True)
-        # Count what every engine connection receives (aiohttp keeps its protocol factory in
-        # _factory; without it the bodies are counted as their reader takes them).
-        if all(hasattr(c, "_factory") for c in (conn, fresh)):
-            loop = asyncio.get_running_loop()
-            for c in (conn, fresh):
-                c._factory = functools.partial(_CountingHandler, loop, self)
-            self._counting = True
-        self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=True,
-                                              trace_configs=[trace])
-        self._fresh = aiohttp.ClientSession(connector=fresh, timeout=timeout, auto_decompress=True)
+        from .engine_https import HttpsTransport
+
+        self._https = HttpsTransport(self)
 
     async def close(self) -> None:
         """Close the pools (idempotent)."""
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
-        for s in (self._session, self._fresh):
-            if s is not None:
-                await s.close()
-        self._session = self._fresh = None
+        if self._https is not None:
+            await self._https.close()
+            self._https = None
 
     def unavailable(self) -> EngineOutage | None:
         """The ongoing outage (seconds since the first failure with no answer since, the last
@@ -354,7 +296,7 @@ class EngineClient:
         Raises:
             EngineError: a final answer or failure (see the module table).
         """
-        assert self._pool is not None or self._session is not None, "EngineClient.start() was not called"
+        assert self._pool is not None or self._https is not None, "EngineClient.start() was not called"
         hdrs = {"Content-Type": "application/json", **headers}
         if self.cfg.api_key:
             hdrs["Authorization"] = f"Bearer {self.cfg.api_key}"
@@ -381,7 +323,7 @@ class EngineClient:
             try:
                 status, data = await self._timed(
                     self._attempt_pool(body, hdrs, fresh, meta) if self._pool is not None
-                    else self._attempt(self._fresh if fresh else self._session, body, hdrs, meta))
+                    else self._https.attempt(fresh, body, hdrs, meta))  # type: ignore[union-attr]
             except _Broken as exc:
                 if exc.reused and exc.no_response and not fresh:
                     # The engine closed an idle keep-alive connection as we reused it: nothing ran.
@@ -474,36 +416,6 @@ class EngineClient:
         self._pool.wake()  # type: ignore[union-attr]
         return status, out
 
-    async def _attempt(self, session: aiohttp.ClientSession, body: bytes,
-                       hdrs: dict[str, str], meta: dict[str, Any]) -> tuple[int, bytes]:
-        """One aiohttp attempt (``https://`` engines) on one connection: (status, body bytes),
-        or raises _Broken / EngineError."""
-        trace = _TraceCtx()
-        answered = False
-        try:
-            async with session.post(self.url, data=body, headers=hdrs, trace_request_ctx=trace) as resp:
-                answered = True
-                meta["retry_after"] = resp.headers.get("Retry-After")
-                limit = self.cfg.max_body_bytes
-                if resp.content_length is not None and resp.content_length > limit:
-                    raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
-                                      f"engine.max_body_bytes={limit}", status=resp.status, category="server")
-                # 2xx bodies stay counted until the caller's release(); error bodies are read here only
-                return resp.status, await self._receive(resp, limit, keep=resp.status < 400)
-        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
-            raise _Broken(f"cannot connect to engine at {self.display_url}: {mask_urls_in(str(exc))}",
-                          no_response=True, reused=False) from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            what = str(exc) or type(exc).__name__
-            if answered:
-                raise _Broken(f"engine connection broke while reading the response: {mask_urls_in(what)}",
-                              no_response=False, reused=trace.reused) from None
-            raise _Broken(f"engine connection broke before the response: {mask_urls_in(what)}",
-                          no_response=True, reused=trace.reused) from None
-        except aiohttp.ClientError as exc:
-            raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
-                              category="server") from None
-
     async def _timed(self, attempt: Awaitable[tuple[int, Any]]) -> tuple[int, Any]:
         """Await one attempt within ``engine.timeout_s`` (connecting, sending, waiting for and
         reading the answer); past it, the attempt is cancelled (its connection closed, so vLLM
@@ -529,46 +441,6 @@ class EngineClient:
         self._unclaimed += n
         if n > 0 and self._unclaimed + self._returned > self.answer_bytes_peak:
             self.answer_bytes_peak = self._unclaimed + self._returned
-
-    async def _receive(self, resp: aiohttp.ClientResponse, limit: int, keep: bool) -> bytes:
-        """The whole (decoded) body, read as it arrives, given up as soon as it passes ``limit``
-        bytes (so a chunked body, or a compressed one whose Content-Length is the compressed size,
-        never makes the encoder hold more than ``limit`` plus one read), and joined once complete.
-        When it ends (complete or not) the bytes its connection received for it leave the unclaimed count;
-        with ``keep`` (a 2xx body for the caller) its length counts as returned until
-        :meth:`release`.
-
-        Raises:
-            EngineError: the body passes ``limit`` bytes (``engine.max_body_bytes``).
-            aiohttp.ClientPayloadError: the connection ended before the body did.
-        """
-        content = resp.content
-        proto = getattr(resp, "_protocol", None)
-        counted = self._counting and isinstance(proto, _CountingHandler)
-        chunks: list[bytes] = []
-        got = 0
-        try:
-            while True:
-                chunk = await content.readany()
-                if not chunk:
-                    break
-                got += len(chunk)
-                if not counted:
-                    self._add_unclaimed(len(chunk))
-                if got > limit:
-                    raise EngineError(f"engine body exceeds engine.max_body_bytes={limit} (stopped reading after "
-                                      f"{got} bytes)", status=resp.status, category="server")
-                chunks.append(chunk)
-        finally:
-            if counted:  # headers and body: no next response on this connection before our next request
-                self._add_unclaimed(-proto.unclaimed)
-                proto.unclaimed = 0
-            else:
-                self._add_unclaimed(-got)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        if keep:
-            self._returned += len(data)
-        return data
 
     def release(self, data: bytes | memoryview) -> None:
         """The caller is done with a 2xx body that :meth:`post` returned: it no longer counts in

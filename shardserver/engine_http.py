@@ -42,7 +42,8 @@ from urllib.parse import quote, unquote, urlsplit
 import httptools
 import numpy as np
 
-__all__ = ["EnginePool", "BodyBuffers", "ConnectFailed", "Broken", "BadResponse", "BodyTooLarge", "MAX_HEAD_BYTES"]
+__all__ = ["EnginePool", "BodyBuffers", "request_target", "ConnectFailed", "Broken", "BadResponse", "BodyTooLarge",
+           "MAX_HEAD_BYTES"]
 
 #: The most bytes an answer's status line and header fields may take (bytes).
 MAX_HEAD_BYTES = 64 * 1024
@@ -571,6 +572,14 @@ class _Inflater:
         return self._z.flush() if self._z is not None else b""
 
 
+def request_target(url: str) -> str:
+    """The request target (origin form: path and query) that :class:`EnginePool` sends for
+    ``url``, as aiohttp (yarl) sends it: a space or non-ASCII letter percent-encoded (UTF-8),
+    existing %-escapes and the characters a path may hold as they are; ``/`` for an empty path."""
+    parts = urlsplit(url)
+    return quote(parts.path or "/", safe=_PATH_SAFE) + (f"?{parts.query}" if parts.query else "")
+
+
 class EnginePool:
     """Keep-alive connections to one ``http://`` engine, and the POST that uses them.
 
@@ -615,9 +624,7 @@ class EnginePool:
         self.port = parts.port or 80
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = host if self.port == 80 else f"{host}:{self.port}"
-        # As aiohttp (yarl) sends it: a space or non-ASCII letter percent-encoded (UTF-8), existing
-        # %-escapes and the characters a path may hold as they are.
-        self.target = quote(parts.path or "/", safe=_PATH_SAFE) + (f"?{parts.query}" if parts.query else "")
+        self.target = request_target(url)
         self.auth = None
         if parts.username is not None:
             cred = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode("latin-1")
@@ -807,7 +814,8 @@ class EnginePool:
         return None
 
     async def post(self, body: bytes, headers: Mapping[str, str], *, limit: int,
-                   fresh: bool = False, meta: dict[str, object] | None = None) -> tuple[int, memoryview, bool]:
+                   fresh: bool = False, meta: dict[str, object] | None = None,
+                   method: str = "POST", target: str | None = None) -> tuple[int, memoryview, bool]:
         """POST ``body`` to the pool's URL and read the whole answer.
 
         Args:
@@ -818,6 +826,11 @@ class EnginePool:
                 failed before any answer).
             meta: if given, receives ``"retry_after"``: the answer's ``Retry-After`` field
                 (``bytes`` as sent, or None).
+            method: the request method; ``GET`` with an empty ``body`` sends no
+                ``Content-Length`` (the engine probe's ``GET /health``, see
+                :class:`shardserver.health.EngineProbe`). The answer to a ``HEAD`` is not handled.
+            target: the request target to use instead of the pool's (:func:`request_target` of
+                another URL on the same host and port).
 
         Returns:
             ``(status, body, reused)``: the final status, the decoded body, and whether the
@@ -838,8 +851,9 @@ class EnginePool:
         """
         if self._closed:
             raise ConnectFailed("the engine client is closed")
-        lines = [f"POST {self.target} HTTP/1.1\r\nHost: {self.host_header}\r\n"
-                 f"Accept: */*\r\nAccept-Encoding: gzip, deflate\r\nContent-Length: {len(body)}\r\n"]
+        length = "" if method == "GET" and not body else f"Content-Length: {len(body)}\r\n"
+        lines = [f"{method} {target or self.target} HTTP/1.1\r\nHost: {self.host_header}\r\n"
+                 f"Accept: */*\r\nAccept-Encoding: gzip, deflate\r\n{length}"]
         if fresh:
             lines.append("Connection: close\r\n")
         if self.auth is not None and not any(k.lower() == "authorization" for k in headers):

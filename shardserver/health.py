@@ -47,8 +47,14 @@ from .messages import EngineReachability
 if TYPE_CHECKING:
     import aiohttp
 
-# aiohttp is imported where a probe runs (the encoders): the front-ends import this module for
-# readiness() only, and aiohttp is ~16 MiB of each process's private memory.
+    from .engine_http import EnginePool
+
+# The probe of an http:// engine goes through engine_http (the encoders' engine client); aiohttp
+# is imported only to probe an https:// engine. It is ~16 MiB of each process's private memory,
+# and the front-ends import this module for readiness() only.
+
+#: The most body bytes a probe reads from ``/health`` or ``/v1/models`` (bytes).
+PROBE_BODY_LIMIT = 4 << 20
 
 __all__ = ["EngineProbe", "readiness", "engine_models_of"]
 
@@ -91,7 +97,12 @@ class EngineProbe:
         # True while the encoder's engine requests are failing (EngineClient.unavailable): probe
         # every DOWN_PROBE_S then, too.
         self.outage: Callable[[], bool] | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # https:// engines
+        self._pool: EnginePool | None = None  # http:// engines
+        self._models_target = ""  # GET target of /v1/models on self._pool
+        # What a probe that cannot reach the engine raises: OSError (engine_http's failures are
+        # turned into one), and aiohttp.ClientError for https:// engines.
+        self._errors: tuple[type[BaseException], ...] = (OSError,)
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
 
@@ -99,11 +110,21 @@ class EngineProbe:
         """Start probing in the running event loop (the first probe runs at once)."""
         if self.interval_s <= 0:
             return
-        import aiohttp
+        if self.url.startswith("http://"):
+            from .engine_http import EnginePool, request_target
 
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=1, force_close=True),
-            timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers)
+            # A connection per probe (closed after it), like the https:// session below; small
+            # bodies, one receive buffer kept.
+            self._pool = EnginePool(self.url, connect_timeout_s=self.timeout_s, idle_s=0.0,
+                                    keep_buffer_bytes=1 << 20)
+            self._models_target = request_target(self.models_url)
+        else:
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1, force_close=True),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers)
+            self._errors = (OSError, aiohttp.ClientError)
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-probe-{self.shard}")
 
@@ -125,6 +146,9 @@ class EngineProbe:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
 
     async def _loop(self) -> None:
         assert self._wake is not None
@@ -136,24 +160,46 @@ class EngineProbe:
             except asyncio.TimeoutError:
                 pass
 
+    async def _get(self, models: bool) -> tuple[int, bytes]:
+        """``GET /health`` (or ``/v1/models``) on a connection of its own, within ``timeout_s``:
+        (status, body).
+
+        Raises:
+            asyncio.TimeoutError: no complete answer within ``timeout_s`` seconds.
+            OSError: the engine could not be reached, or the connection broke, or the answer is
+                not HTTP (for an ``http://`` engine, the :mod:`shardserver.engine_http` failure
+                as an ``OSError`` with its message); ``aiohttp.ClientError`` for ``https://``.
+        """
+        if self._pool is not None:
+            from .engine_http import BadResponse, BodyTooLarge, Broken, ConnectFailed
+
+            pool = self._pool
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    status, body, _ = await pool.post(
+                        b"", self._headers or {}, limit=PROBE_BODY_LIMIT, fresh=True, method="GET",
+                        target=self._models_target if models else None)
+            except (ConnectFailed, Broken, BadResponse, BodyTooLarge) as exc:
+                raise OSError(str(exc) or type(exc).__name__) from None
+            out = bytes(body)
+            pool.recycle(body)
+            return status, out
+        assert self._session is not None, "EngineProbe.start() was not called"
+        async with self._session.get(self.models_url if models else self.url) as resp:
+            return resp.status, await resp.read()
+
     async def check_once(self) -> bool:
         """Probe once and record the result; returns whether the engine is reachable."""
-        assert self._session is not None, "EngineProbe.start() was not called"
-        import aiohttp
-
+        assert self._session is not None or self._pool is not None, "EngineProbe.start() was not called"
         try:
-            async with self._session.get(self.url) as resp:
-                status = resp.status
-                await resp.read()
+            status, _ = await self._get(models=False)
             if status >= 500:
                 ok, reason = False, f"engine answered GET {self.display_url} with HTTP {status}"
             else:
                 ok, reason = True, ""
         except asyncio.TimeoutError:
             ok, reason = False, f"engine did not answer GET {self.display_url} within {self.timeout_s} s"
-        except aiohttp.ClientError as exc:
-            ok, reason = False, f"cannot reach engine at {self.display_url}: {mask_urls_in(str(exc))}"
-        except OSError as exc:
+        except self._errors as exc:
             ok, reason = False, f"cannot reach engine at {self.display_url}: {mask_urls_in(str(exc))}"
         if ok != self.ok:
             if ok:
@@ -171,17 +217,12 @@ class EngineProbe:
         """``GET /v1/models``: learn each served model's context window (``max_model_len``), again
         at every probe, so a restart with another model or ``--max-model-len`` is noticed. An
         engine without the endpoint (some routers) or without the field keeps what was learned."""
-        assert self._session is not None
-        import aiohttp
-
         try:
-            async with self._session.get(self.models_url) as resp:
-                status = resp.status
-                body = await resp.read()
+            status, body = await self._get(models=True)
             if status != 200:
                 return
             models = parse_model_windows(body)
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        except (asyncio.TimeoutError, ValueError, *self._errors):
             return
         if models and models != self.models:
             log.info("encoder %d: engine context window%s (GET /v1/models): %s", self.shard,

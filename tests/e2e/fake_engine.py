@@ -37,6 +37,11 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
   ``stop_token_ids``, then ``stop`` strings matched against the detokenized text, in which the
   special tokens of ``SPECIAL`` appear only when the request has ``skip_special_tokens: false``.
 
+With ``tls=True`` the engine serves HTTPS (TLS 1.2+) with ``tls/cert.pem`` (self-signed for
+IP 127.0.0.1, valid to 2126, made for these tests with ``openssl req -x509 -newkey rsa:2048
+-nodes -days 36500 -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1``); a client trusts
+it through ``SSL_CERT_FILE`` (:data:`TLS_CERT`), as OpenSSL's default verify paths do.
+
 ``GET /_fake/log`` returns one entry per completion request: ``conn`` (connection number),
 ``nth`` (request number on that connection), ``request_id`` (``X-Request-Id``), ``action``
 (``ok``, ``reset``, ``drop``, ``truncate``, ``status``, ``abort``, ``error``), ``t`` (monotonic
@@ -367,16 +372,26 @@ class _Server:
         return True
 
 
-async def _serve(port: int, config: dict[str, Any]) -> None:
+TLS_CERT = Path(__file__).resolve().parent / "tls" / "cert.pem"
+TLS_KEY = TLS_CERT.with_name("key.pem")
+
+
+async def _serve(port: int, config: dict[str, Any], tls: bool = False) -> None:
     from shardserver.engine_sim import SimConfig, render_completion
 
     srv = _Server(config)
     # Build the simulator's token pool now (seconds on a loaded machine), not in the first request.
     render_completion({"prompt": [1], "max_tokens": 1}, SimConfig.from_mapping(
         {"model_name": srv.cfg["model"], "max_model_len": srv.cfg["max_model_len"]}))
-    server = await asyncio.start_server(srv.handle, "127.0.0.1", port, reuse_address=True, backlog=1024)
+    ctx = None
+    if tls:
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(TLS_CERT, TLS_KEY)
+    server = await asyncio.start_server(srv.handle, "127.0.0.1", port, reuse_address=True, backlog=1024, ssl=ctx)
     actual = server.sockets[0].getsockname()[1]
-    print(f"fake-engine listening on http://127.0.0.1:{actual}", flush=True)
+    print(f"fake-engine listening on {'https' if tls else 'http'}://127.0.0.1:{actual}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -398,7 +413,8 @@ def free_port() -> int:
 class _EngineProcess:
     """A child process that prints ``... listening on http://127.0.0.1:PORT`` once it serves."""
 
-    ready_mark = "listening on http://127.0.0.1:"
+    ready_mark = "://127.0.0.1:"
+    scheme = "http"
 
     def __init__(self, port: int = 0) -> None:
         self.port = port
@@ -410,7 +426,7 @@ class _EngineProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "_EngineProcess":
         """Start (again) on ``self.port`` (0 the first time: pick one); wait until it serves."""
@@ -424,7 +440,7 @@ class _EngineProcess:
             assert proc.stdout is not None
             for line in proc.stdout:
                 self.lines.append(line.rstrip("\n"))
-                if self.ready_mark in line and not ready.is_set():
+                if "listening on" in line and self.ready_mark in line and not ready.is_set():
                     self.port = int(line.rsplit(":", 1)[1].strip().rstrip("/"))
                     ready.set()
 
@@ -465,22 +481,28 @@ class _EngineProcess:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="POST" if data is not None else "GET",
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        ctx = None
+        if self.scheme == "https":
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=str(TLS_CERT))
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
             return json.loads(resp.read())
 
 
 class FakeEngine(_EngineProcess):
     """This module run as a script; ``config`` keys are listed in the module docstring."""
 
-    def __init__(self, port: int = 0, **config: Any) -> None:
+    def __init__(self, port: int = 0, tls: bool = False, **config: Any) -> None:
         super().__init__(port)
         unknown = set(config) - set(DEFAULTS)
         assert not unknown, f"unknown fake-engine settings: {sorted(unknown)}"
         self.config = config
+        self.scheme = "https" if tls else "http"
 
     def command(self) -> list[str]:
         return [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port),
-                "--config", json.dumps(self.config)]
+                "--config", json.dumps(self.config)] + (["--tls"] if self.scheme == "https" else [])
 
     def configure(self, **changes: Any) -> dict[str, Any]:
         """Change the behaviour of the running engine (and of later restarts)."""
@@ -524,8 +546,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="a misbehaving vLLM /v1/completions for fault tests")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--config", default="{}")
+    ap.add_argument("--tls", action="store_true", help="serve HTTPS with tls/cert.pem")
     a = ap.parse_args()
     try:
-        asyncio.run(_serve(a.port, json.loads(a.config)))
+        asyncio.run(_serve(a.port, json.loads(a.config), a.tls))
     except KeyboardInterrupt:
         pass

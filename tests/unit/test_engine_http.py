@@ -18,7 +18,7 @@ from shardserver.config import EngineConfig
 from shardserver.engine_client import EngineClient, retry_after_s
 from shardserver.errors import EngineError
 from shardserver.engine_http import (MAX_HEAD_BYTES, BadResponse, BodyBuffers, BodyTooLarge, Broken,
-                                     ConnectFailed, EnginePool)
+                                     ConnectFailed, EnginePool, request_target)
 
 BODY = b'{"choices":[{"index":0,"token_ids":[1,2,3]}]}' * 50
 
@@ -409,6 +409,35 @@ def test_url_path_is_percent_encoded_in_the_request_line() -> None:
             status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
             assert (status, bytes(body)) == (200, BODY)
             assert s.requests[0][1].startswith(b"POST /my%20pre/caf%C3%A9%20x/v1/completions HTTP/1.1\r\n")
+            await pool.close()
+    run(main())
+
+
+def test_a_get_to_another_target_sends_no_content_length_and_closes_when_fresh() -> None:
+    # The engine probe's GET /health and GET /v1/models (shardserver.health) go through a pool
+    # made for /health: the second names its own target; neither has a body, so no Content-Length.
+    async def main() -> None:
+        models = b'{"object":"list","data":[]}'
+        async with Script([ok(b""), ok(models)]) as s:
+            pool, _ = pool_for(f"http://127.0.0.1:{s.port}/pre fix/health", keep_buffer_bytes=1 << 20)
+            st, body, _ = await pool.post(b"", {"Authorization": "Bearer k"}, limit=1 << 20, fresh=True, method="GET")
+            assert (st, bytes(body)) == (200, b"")
+            pool.recycle(body)
+            target = request_target(f"http://127.0.0.1:{s.port}/pre fix/v1/models")
+            assert target == "/pre%20fix/v1/models"
+            st, body, reused = await pool.post(b"", {}, limit=1 << 20, fresh=True, method="GET", target=target)
+            assert (st, bytes(body), reused) == (200, models, False)
+            assert [(c, h) for c, h, _ in s.requests] == [
+                (0, b"GET /pre%%20fix/health HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAccept: */*\r\n"
+                    b"Accept-Encoding: gzip, deflate\r\nConnection: close\r\nAuthorization: Bearer k\r\n\r\n" % s.port),
+                (1, b"GET /pre%%20fix/v1/models HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAccept: */*\r\n"
+                    b"Accept-Encoding: gzip, deflate\r\nConnection: close\r\n\r\n" % s.port)]
+            assert not pool._idle  # fresh: no connection kept; the gateway closes both
+            for _ in range(200):
+                if s.eofs == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert s.eofs == 2
             await pool.close()
     run(main())
 

@@ -1,6 +1,7 @@
 """What a front-end process loads: aiohttp (~16 MiB of private memory per process at import,
-~6.5 MiB net of what the front-end shares with it) is the encoders' engine client and probe,
-not the front-ends'."""
+~6.5 MiB net of what the front-end shares with it) is the encoders' engine client and probe for
+``https://`` engines only, never the front-ends' (for encoders of an ``http://`` engine see
+``tests/e2e/test_engine_faults.py::test_an_https_engine_samples_probes_and_rides_out_the_keepalive_race``)."""
 
 from __future__ import annotations
 

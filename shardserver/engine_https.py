@@ -1,0 +1,182 @@
+"""The engine client's transport for ``https://`` engines: aiohttp, through two pools.
+
+:class:`shardserver.engine_client.EngineClient` uses :mod:`shardserver.engine_http` for
+``http://`` engines and this module for ``https://`` ones; it is imported only then, so an
+encoder of an ``http://`` deployment never loads aiohttp (~16 MiB of private memory per
+process, measured with ``/proc/self/smaps_rollup`` after the import).
+
+The first pool keeps connections alive for ``engine.pool_idle_s``; the second never reuses one
+(an attempt after a reused connection broke before any answer). Every connection counts the
+bytes it receives that no reader has claimed yet (:class:`_CountingHandler`), so that the
+owner's ``answer_bytes`` covers answers in aiohttp's buffers too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp.client_proto import ResponseHandler
+
+from .config import mask_urls_in
+from .errors import EngineError
+
+if TYPE_CHECKING:
+    from .engine_client import EngineClient
+
+__all__ = ["HttpsTransport"]
+
+
+class _TraceCtx:
+    """Per-attempt aiohttp trace context: did the attempt get a reused pooled connection?"""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
+    ctx.trace_request_ctx.reused = True
+
+
+class _CountingHandler(ResponseHandler):
+    """aiohttp's client protocol, also counting the bytes it received that no reader has
+    claimed yet (:meth:`HttpsTransport._receive` claims a response's bytes when it ends): engine
+    answers in this process's memory, whether a reader has started on them or not."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, owner: "EngineClient") -> None:
+        super().__init__(loop)
+        self._owner = owner
+        self.unclaimed = 0
+
+    def data_received(self, data: bytes) -> None:
+        n = len(data)
+        self.unclaimed += n
+        self._owner._add_unclaimed(n)
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._owner._add_unclaimed(-self.unclaimed)
+        self.unclaimed = 0
+        super().connection_lost(exc)
+
+
+class HttpsTransport:
+    """The two aiohttp sessions of one :class:`~shardserver.engine_client.EngineClient` and its
+    attempts through them. Create it in the event loop that will use it.
+
+    Args:
+        owner: the engine client: its ``cfg`` (``connect_timeout_s``, ``pool_idle_s``,
+            ``max_body_bytes``), ``url``, ``display_url``, and its answer-byte counts
+            (``_add_unclaimed``, ``_returned``), which this transport keeps up to date.
+    """
+
+    def __init__(self, owner: "EngineClient") -> None:
+        self.owner = owner
+        cfg = owner.cfg
+        # aiohttp's own pool is unbounded: the encoder starts at most engine.pool_size calls, so
+        # no attempt waits here for a connection (engine.timeout_s is the request's own time).
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=cfg.connect_timeout_s)
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_reuseconn.append(_on_reuse)
+        trace.freeze()
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=cfg.pool_idle_s)
+        # aiohttp's default read buffer (64 KiB): a larger one cost more memory when many engine
+        # answers arrive at once (measured with benchmarks/run_load.py --scenario queue-8k) and
+        # saved no measurable CPU.
+        fresh = aiohttp.TCPConnector(limit=0, force_close=True)
+        # Count what every engine connection receives (aiohttp keeps its protocol factory in
+        # _factory; without it the bodies are counted as their reader takes them).
+        self.counting = False
+        if all(hasattr(c, "_factory") for c in (conn, fresh)):
+            loop = asyncio.get_running_loop()
+            for c in (conn, fresh):
+                c._factory = functools.partial(_CountingHandler, loop, owner)
+            self.counting = True
+        self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=True,
+                                              trace_configs=[trace])
+        self._fresh = aiohttp.ClientSession(connector=fresh, timeout=timeout, auto_decompress=True)
+
+    async def close(self) -> None:
+        """Close both sessions and their connections."""
+        await self._session.close()
+        await self._fresh.close()
+
+    async def attempt(self, fresh: bool, body: bytes, hdrs: dict[str, str],
+                      meta: dict[str, Any]) -> tuple[int, bytes]:
+        """One attempt on one connection (a new one when ``fresh``): (status, body bytes), or
+        raises the owner's ``_Broken`` (no complete answer: may be sent again) or EngineError.
+        ``meta`` receives ``"retry_after"`` (the answer's ``Retry-After`` field, or None)."""
+        from .engine_client import _Broken
+
+        owner = self.owner
+        session = self._fresh if fresh else self._session
+        trace = _TraceCtx()
+        answered = False
+        try:
+            async with session.post(owner.url, data=body, headers=hdrs, trace_request_ctx=trace) as resp:
+                answered = True
+                meta["retry_after"] = resp.headers.get("Retry-After")
+                limit = owner.cfg.max_body_bytes
+                if resp.content_length is not None and resp.content_length > limit:
+                    raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
+                                      f"engine.max_body_bytes={limit}", status=resp.status, category="server")
+                # 2xx bodies stay counted until the caller's release(); error bodies are read here only
+                return resp.status, await self._receive(resp, limit, keep=resp.status < 400)
+        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
+            raise _Broken(f"cannot connect to engine at {owner.display_url}: {mask_urls_in(str(exc))}",
+                          no_response=True, reused=False) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            what = str(exc) or type(exc).__name__
+            if answered:
+                raise _Broken(f"engine connection broke while reading the response: {mask_urls_in(what)}",
+                              no_response=False, reused=trace.reused) from None
+            raise _Broken(f"engine connection broke before the response: {mask_urls_in(what)}",
+                          no_response=True, reused=trace.reused) from None
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
+                              category="server") from None
+
+    async def _receive(self, resp: aiohttp.ClientResponse, limit: int, keep: bool) -> bytes:
+        """The whole (decoded) body, read as it arrives, given up as soon as it passes ``limit``
+        bytes (so a chunked body, or a compressed one whose Content-Length is the compressed size,
+        never makes the encoder hold more than ``limit`` plus one read), and joined once complete.
+        When it ends (complete or not) the bytes its connection received for it leave the owner's
+        unclaimed count; with ``keep`` (a 2xx body for the caller) its length counts as returned
+        until the owner's ``release``.
+
+        Raises:
+            EngineError: the body passes ``limit`` bytes (``engine.max_body_bytes``).
+            aiohttp.ClientPayloadError: the connection ended before the body did.
+        """
+        owner = self.owner
+        content = resp.content
+        proto = getattr(resp, "_protocol", None)
+        counted = self.counting and isinstance(proto, _CountingHandler)
+        chunks: list[bytes] = []
+        got = 0
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                got += len(chunk)
+                if not counted:
+                    owner._add_unclaimed(len(chunk))
+                if got > limit:
+                    raise EngineError(f"engine body exceeds engine.max_body_bytes={limit} (stopped reading after "
+                                      f"{got} bytes)", status=resp.status, category="server")
+                chunks.append(chunk)
+        finally:
+            if counted:  # headers and body: no next response on this connection before our next request
+                owner._add_unclaimed(-proto.unclaimed)
+                proto.unclaimed = 0
+            else:
+                owner._add_unclaimed(-got)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if keep:
+            owner._returned += len(data)
+        return data
