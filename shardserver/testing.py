@@ -20,8 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunningServer", "http_json", "our_shm_segments", "our_processes", "leftovers_of_started_servers",
-           "RunningHaproxy", "find_haproxy", "free_port", "http_counts", "metric_sum"]
+__all__ = ["RunningServer", "http_json", "our_shm_segments", "mapped_distributions", "our_processes",
+           "leftovers_of_started_servers", "RunningHaproxy", "find_haproxy", "free_port", "http_counts", "metric_sum"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,6 +47,19 @@ def our_shm_segments() -> list[str]:
         return sorted(n for n in os.listdir("/dev/shm") if n.startswith("shardserver-"))
     except FileNotFoundError:
         return []
+
+
+def mapped_distributions(pid: int) -> set[str]:
+    """The site-packages distributions (the first path part under ``site-packages/``, e.g.
+    ``aiohttp``, ``numpy.libs``, ``csimdjson.abi3.so``) whose files process ``pid`` has mapped
+    (``/proc/<pid>/maps``): what it imported, compiled parts included.
+
+    Raises:
+        OSError: no such process (or not readable).
+    """
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[5].split("site-packages/")[1].split("/")[0]
+                for line in f if len(line.split()) > 5 and "site-packages/" in line.split()[5]}
 
 
 def our_processes() -> list[tuple[int, str]]:

@@ -21,7 +21,7 @@ import pytest
 from conftest import BASE_MODEL, Api, engine_body, expected_sequences
 from fake_engine import TLS_CERT, FakeEngine, SimEngineProcess, free_port
 from shardserver.config import EngineConfig
-from shardserver.testing import RunningServer, http_json, metric_sum
+from shardserver.testing import RunningServer, http_json, mapped_distributions, metric_sum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -114,13 +114,6 @@ def test_keepalive_reset_on_a_reused_connection_is_resent_on_a_fresh_one():
         assert c.get("failed_server", 0) == 0
 
 
-def _libs(pid: int) -> set[str]:
-    """The site-packages distributions (first path part) whose files ``pid`` has mapped."""
-    with open(f"/proc/{pid}/maps") as f:
-        return {line.split()[5].split("site-packages/")[1].split("/")[0]
-                for line in f if len(line.split()) > 5 and "site-packages/" in line.split()[5]}
-
-
 def test_an_https_engine_samples_probes_and_rides_out_the_keepalive_race():
     """An ``https://`` engine (TLS, trusted through ``SSL_CERT_FILE``) goes through aiohttp: exact
     results, ``GET /health`` and ``GET /v1/models`` (with the API key) answered over TLS, and a
@@ -147,7 +140,7 @@ def test_an_https_engine_samples_probes_and_rides_out_the_keepalive_race():
             st, _, b = http_json(s.url + "/readyz")
             assert (st, json.loads(b)["max_model_len"]) == (200, {"Qwen/Qwen3-8B": 65536})
             assert not [e for e in eng.log() if e.get("status") == 401]
-            assert "aiohttp" in _libs(s.stats()["shards"][0]["pid"])
+            assert "aiohttp" in mapped_distributions(s.stats()["shards"][0]["pid"])
     with FakeEngine() as eng, gateway(eng.url) as s:
         api = Api(s.url)
         rid, prompt = submit(api, api.sampling_session(), 151, 0)
@@ -156,7 +149,7 @@ def test_an_https_engine_samples_probes_and_rides_out_the_keepalive_race():
         while _shard_models(s) != [{"Qwen/Qwen3-8B": 65536}] and time.monotonic() < end:
             time.sleep(0.1)
         assert _shard_models(s) == [{"Qwen/Qwen3-8B": 65536}]  # the probe ran, over engine_http
-        assert not _libs(s.stats()["shards"][0]["pid"]) & {"aiohttp", "yarl", "multidict"}
+        assert not mapped_distributions(s.stats()["shards"][0]["pid"]) & {"aiohttp", "yarl", "multidict"}
 
 
 def test_idle_pooled_connections_are_dropped_before_the_engine_drops_them():

@@ -13,20 +13,13 @@ import time
 import pytest
 
 from conftest import Api
-from shardserver.testing import REPO, RunningServer, http_json, our_shm_segments
+from shardserver.testing import REPO, RunningServer, http_json, mapped_distributions, our_shm_segments
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def _segments_of(pid: int) -> list[str]:
     return [n for n in our_shm_segments() if n.startswith(f"shardserver-{pid}-")]
-
-
-def _libs(pid: int) -> set[str]:
-    """The site-packages distributions (first path part) whose files ``pid`` has mapped."""
-    with open(f"/proc/{pid}/maps") as f:
-        return {line.split()[5].split("site-packages/")[1].split("/")[0]
-                for line in f if len(line.split()) > 5 and "site-packages/" in line.split()[5]}
 
 
 def _group(pgid: int) -> list[tuple[int, str]]:
@@ -60,10 +53,12 @@ def test_process_titles_and_sigterm_cleanup():
         # numpy, simdjson, protobuf, pydantic-core and aiohttp (57 MiB of PSS; now ~20). A
         # front-end loads the codec's numpy parts only to derive JSON for a pre-0.25 SDK
         # (49 -> 40 MiB idle).
-        assert not _libs(pid) & {"numpy", "numpy.libs", "aiohttp", "csimdjson.abi3.so", "google",
-                                 "pydantic_core", "uvloop", "httptools", "orjson"}, sorted(_libs(pid))
+        assert not mapped_distributions(pid) & {"numpy", "numpy.libs", "aiohttp", "csimdjson.abi3.so", "google",
+                                                "pydantic_core", "uvloop", "httptools", "orjson"}, \
+            sorted(mapped_distributions(pid))
         fe = next(p for p, cmd in _group(pid) if cmd == "shardserver: front-end 0")
-        assert not _libs(fe) & {"numpy", "numpy.libs", "csimdjson.abi3.so", "google", "aiohttp"}, sorted(_libs(fe))
+        assert not mapped_distributions(fe) & {"numpy", "numpy.libs", "csimdjson.abi3.so", "google", "aiohttp"}, \
+            sorted(mapped_distributions(fe))
         api = Api(s.url)
         rid = _submit(api, [1, 2, 3])
         st, _, _ = api.post("/api/v1/retrieve_future", {"request_id": rid})
