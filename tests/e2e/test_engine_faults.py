@@ -90,18 +90,32 @@ def completions(engine: FakeEngine) -> list[dict]:
     return engine.log()
 
 
+def sample_in_turn(s: RunningServer, first: int, count: int, pause_s: float = 0.3) -> None:
+    """``count`` samples one after the other (prompt ``[first, i, 7]``, seed i), each checked
+    token for token, ``pause_s`` seconds apart (the pooled connection idles in between)."""
+    api = Api(s.url)
+    ssid = api.sampling_session()
+    for i in range(count):
+        rid, prompt = submit(api, ssid, first, i)
+        assert_result(*retrieve(api, rid), prompt, i)
+        time.sleep(pause_s)
+
+
+def assert_models_learned(s: RunningServer, within_s: float = 10.0) -> None:
+    """Every encoder's probe learns the fake engine's context window from ``GET /v1/models``."""
+    end = time.monotonic() + within_s
+    while _shard_models(s) != [{"Qwen/Qwen3-8B": 65536}] * len(s.stats()["shards"]) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert _shard_models(s) == [{"Qwen/Qwen3-8B": 65536}] * len(s.stats()["shards"])
+
+
 # -- input 1: the idle keep-alive race ---------------------------------------------------------------
 def test_keepalive_reset_on_a_reused_connection_is_resent_on_a_fresh_one():
     """The engine answers one completion per keep-alive connection and resets it when the next
     request arrives on it (uvicorn closing an idle connection just as the gateway reuses it).
     Before: sample 2 failed with "engine request failed: [Errno 104] Connection reset by peer"."""
     with FakeEngine(reset_reused=True) as eng, gateway(eng.url) as s:
-        api = Api(s.url)
-        ssid = api.sampling_session()
-        for i in range(4):
-            rid, prompt = submit(api, ssid, 100, i)
-            assert_result(*retrieve(api, rid), prompt, i)
-            time.sleep(0.3)
+        sample_in_turn(s, 100, 4)
         log = completions(eng)
         # Samples 2 and 4 reuse the pooled connection of the sample before: reset, then sent again
         # on a new connection (not pooled, so sample 3 opens a new pooled one).
@@ -124,31 +138,18 @@ def test_an_https_engine_samples_probes_and_rides_out_the_keepalive_race():
         g = gateway(eng.url, api_key="sk-tls")
         g.env["SSL_CERT_FILE"] = str(TLS_CERT)
         with g as s:
-            api = Api(s.url)
-            ssid = api.sampling_session()
-            for i in range(2):
-                rid, prompt = submit(api, ssid, 150, i)
-                assert_result(*retrieve(api, rid), prompt, i)
-                time.sleep(0.3)
+            sample_in_turn(s, 150, 2)
             assert [e["action"] for e in completions(eng)] == ["ok", "reset", "ok"]
             c = counters(s)
             assert c.get("engine_keepalive_retries") == 1 and c.get("failed_server", 0) == 0
-            end = time.monotonic() + 10
-            while _shard_models(s) != [{"Qwen/Qwen3-8B": 65536}] and time.monotonic() < end:
-                time.sleep(0.1)
-            assert _shard_models(s) == [{"Qwen/Qwen3-8B": 65536}]
+            assert_models_learned(s)
             st, _, b = http_json(s.url + "/readyz")
             assert (st, json.loads(b)["max_model_len"]) == (200, {"Qwen/Qwen3-8B": 65536})
             assert not [e for e in eng.log() if e.get("status") == 401]
             assert "aiohttp" in mapped_distributions(s.stats()["shards"][0]["pid"])
     with FakeEngine() as eng, gateway(eng.url) as s:
-        api = Api(s.url)
-        rid, prompt = submit(api, api.sampling_session(), 151, 0)
-        assert_result(*retrieve(api, rid), prompt, 0)
-        end = time.monotonic() + 10
-        while _shard_models(s) != [{"Qwen/Qwen3-8B": 65536}] and time.monotonic() < end:
-            time.sleep(0.1)
-        assert _shard_models(s) == [{"Qwen/Qwen3-8B": 65536}]  # the probe ran, over engine_http
+        sample_in_turn(s, 151, 1, pause_s=0)
+        assert_models_learned(s)  # the probe ran, over engine_http
         assert not mapped_distributions(s.stats()["shards"][0]["pid"]) & {"aiohttp", "yarl", "multidict"}
 
 
@@ -357,10 +358,7 @@ def test_engine_api_key_is_sent_as_a_bearer_token_to_completions_and_probes():
         ssid = api.sampling_session()
         rid, prompt = submit(api, ssid, 115, 0)
         assert_result(*retrieve(api, rid), prompt, 0)
-        end = time.monotonic() + 10
-        while _shard_models(s) != [{"Qwen/Qwen3-8B": 65536}] and time.monotonic() < end:
-            time.sleep(0.1)
-        assert _shard_models(s) == [{"Qwen/Qwen3-8B": 65536}]
+        assert_models_learned(s)
         assert not [e for e in eng.log() if e.get("status") == 401]
         assert not [ln for ln in s.log_lines if "sk-test-1" in ln]  # a secret: never logged
     with FakeEngine(api_key="sk-test-1") as eng, gateway(eng.url) as s:
