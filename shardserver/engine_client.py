@@ -23,6 +23,8 @@ sends 502); vllm-router's 500 ``Request failed:
 (it could not reach the worker, or the worker's
 body broke); any 5xx when ``engine.retry_5xx``
 still unavailable after the budget               fails (``engine_budget_exhausted``)          server
+HTTP 3xx (a redirect: never followed)            fails, naming the status and ``Location``    server
+TLS certificate not trusted (``https://``)       fails at once, saying how to trust it        server
 HTTP 4xx (other: vLLM's JSON error envelope)     fails                                        user
 HTTP 400 "Out of range float values" (NaN),      fails (the engine ran it, the path is ours,  server
 404/405 ``{"detail": ...}`` (wrong engine path), or a proxy refused the gateway's request:
@@ -135,6 +137,18 @@ def retry_after_s(value: bytes | str | None, now: float | None = None) -> float 
     if when is None:
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def redirect_message(status: int, location: bytes | str | None) -> str:
+    """The message for an engine answer of HTTP 3xx (``location``: its ``Location`` field). The
+    gateway follows no redirect: a POST redirected is no longer the same request (301/302/303
+    turn it into a GET), and an engine URL that redirects (``http://`` to ``https://``, a
+    missing or extra path prefix, a login page) is a deployment fault."""
+    if isinstance(location, bytes):
+        location = location.decode("latin-1")
+    to = f" to {mask_urls_in(location[:200])}" if location else ""
+    return (f"engine answered HTTP {status} (a redirect{to}); the gateway follows no redirects: set "
+            f"engine.url to the address that serves /v1/completions itself")
 
 
 def engine_error_message(status: int, body: bytes) -> str:
@@ -333,9 +347,13 @@ class EngineClient:
                 reason = str(exc)
                 status = None
             else:
-                if status < 400:
+                if status < 300:
                     self._answered()
                     return data
+                if status < 400:
+                    self._answered()  # the engine (or a proxy) is up: this answer is final
+                    raise EngineError(redirect_message(status, meta.get("location")), status=status,
+                                      category="server")
                 reason = engine_error_message(status, data)
                 if not (engine_did_not_answer(status, data) or (status >= 500 and cfg.retry_5xx)):
                     self._answered()  # the engine is up: this answer is final
@@ -408,7 +426,7 @@ class EngineClient:
         except BadResponse as exc:
             raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
                               category="server") from None
-        if status < 400:
+        if status < 300:
             self._returned += len(data)
             return status, data
         out = bytes(data)

@@ -214,7 +214,7 @@ class _Exchange:
 
     __slots__ = ("waiter", "limit", "status", "headers_done", "interim", "length", "body", "got",
                  "direct", "inflater", "complete", "keep_alive", "error", "received", "chunked",
-                 "encoding", "retry_after", "watch", "counted", "paused")
+                 "encoding", "retry_after", "location", "watch", "counted", "paused")
 
     def __init__(self, waiter: asyncio.Future, limit: int) -> None:
         self.waiter = waiter
@@ -238,6 +238,7 @@ class _Exchange:
         self.counted = 0
         self.paused = False  # the body waits, unread, for room in the answer budget (EnginePool._admit)
         self.retry_after: bytes | None = None  # the answer's Retry-After field, as sent
+        self.location: bytes | None = None  # the answer's Location field (a redirect), as sent
         self.watch: asyncio.TimerHandle | None = None  # the read-idle check (EnginePool._watch)
 
 
@@ -370,11 +371,18 @@ class _Connection(asyncio.BufferedProtocol):
                 raise BadResponse(f"bad Content-Length {value[:40]!r}")
             x.length = v
         elif n == b"transfer-encoding":
-            x.chunked = b"chunked" in value.lower()
+            codings = [c.strip() for c in value.lower().split(b",")]
+            if any(c not in (b"chunked", b"identity", b"") for c in codings):
+                # (gzip as a transfer-coding: nothing sends it, and its bytes read as JSON would
+                # make a confusing error; Content-Encoding: gzip is what servers use)
+                raise BadResponse(f"unsupported Transfer-Encoding {value[:60]!r} (only chunked)")
+            x.chunked = b"chunked" in codings
         elif n == b"content-encoding":
             x.encoding = value.strip().lower()
         elif n == b"retry-after":
             x.retry_after = value.strip()
+        elif n == b"location":
+            x.location = value.strip()
 
     def on_headers_complete(self) -> None:
         x = self.x
@@ -382,7 +390,7 @@ class _Connection(asyncio.BufferedProtocol):
         status = p.get_status_code()
         if 100 <= status < 200:  # interim answer (100 Continue, 103 Early Hints): the real one follows
             x.interim = True
-            x.length, x.chunked, x.encoding, x.retry_after = None, False, b"", None
+            x.length, x.chunked, x.encoding, x.retry_after, x.location = None, False, b"", None, None
             return
         x.interim = False
         x.status = status
@@ -479,6 +487,12 @@ class _Connection(asyncio.BufferedProtocol):
     def _fail(self, exc: BaseException) -> None:
         x = self.x
         if x is not None and not x.waiter.done():
+            # Kept without the traceback of the callback that found it: its frames hold ``x``
+            # (and the body read so far), and ``x`` holds the error, a reference cycle that only
+            # the cyclic GC frees, which an encoder runs rarely (``settle_gc``). Our errors'
+            # messages say what happened.
+            exc.__traceback__ = None
+            exc.__context__ = None
             x.error = exc
             x.waiter.set_result(None)
         self.body_view = None
@@ -489,6 +503,15 @@ class _Connection(asyncio.BufferedProtocol):
             self.closed = True
             if self.transport is not None:
                 self.transport.abort()
+
+
+def _take_error(x: _Exchange) -> BaseException:
+    """The error that ended ``x``, no longer held by it: raised by :meth:`EnginePool.post`, whose
+    frame (in the traceback) holds ``x``; an ``x`` still holding the error would make a reference
+    cycle that keeps the body read so far alive until the cyclic GC runs."""
+    err, x.error = x.error, None
+    assert err is not None
+    return err
 
 
 def _append(x: _Exchange, data: bytes) -> None:
@@ -824,8 +847,8 @@ class EnginePool:
             limit: the most (decoded) body bytes to accept.
             fresh: use a new connection and close it afterwards (after a reused connection
                 failed before any answer).
-            meta: if given, receives ``"retry_after"``: the answer's ``Retry-After`` field
-                (``bytes`` as sent, or None).
+            meta: if given, receives ``"retry_after"`` and ``"location"``: the answer's
+                ``Retry-After`` and ``Location`` fields (``bytes`` as sent, or None).
             method: the request method; ``GET`` with an empty ``body`` sends no
                 ``Content-Length`` (the engine probe's ``GET /health``, see
                 :class:`shardserver.health.EngineProbe`). The answer to a ``HEAD`` is not handled.
@@ -892,9 +915,10 @@ class EnginePool:
                 if x.watch is not None:
                     x.watch.cancel()
             if x.error is not None:
-                raise x.error
+                raise _take_error(x)  # (no local name: this frame must not hold the error)
         except BaseException:
             conn.x = None
+            conn.parser = None  # (the parser holds the connection's callbacks: a cycle)
             conn._drop()
             self._unwait(x)
             self.on_bytes(-x.counted)
@@ -914,6 +938,7 @@ class EnginePool:
             self._idle.append(conn)
         if meta is not None:
             meta["retry_after"] = x.retry_after
+            meta["location"] = x.location
         body_out = x.body if isinstance(x.body, memoryview) else memoryview(x.body)
         return x.status, body_out, reused
 

@@ -109,7 +109,8 @@ class HttpsTransport:
                       meta: dict[str, Any]) -> tuple[int, bytes]:
         """One attempt on one connection (a new one when ``fresh``): (status, body bytes), or
         raises the owner's ``_Broken`` (no complete answer: may be sent again) or EngineError.
-        ``meta`` receives ``"retry_after"`` (the answer's ``Retry-After`` field, or None)."""
+        ``meta`` receives ``"retry_after"`` and ``"location"`` (the answer's ``Retry-After`` and
+        ``Location`` fields, or None)."""
         from .engine_client import _Broken
 
         owner = self.owner
@@ -117,15 +118,26 @@ class HttpsTransport:
         trace = _TraceCtx()
         answered = False
         try:
-            async with session.post(owner.url, data=body, headers=hdrs, trace_request_ctx=trace) as resp:
+            # (a redirect is an answer: aiohttp would follow it, re-POSTing elsewhere or as a GET)
+            async with session.post(owner.url, data=body, headers=hdrs, trace_request_ctx=trace,
+                                    allow_redirects=False) as resp:
                 answered = True
                 meta["retry_after"] = resp.headers.get("Retry-After")
+                meta["location"] = resp.headers.get("Location")
                 limit = owner.cfg.max_body_bytes
                 if resp.content_length is not None and resp.content_length > limit:
                     raise EngineError(f"engine body of {resp.content_length} bytes exceeds "
                                       f"engine.max_body_bytes={limit}", status=resp.status, category="server")
                 # 2xx bodies stay counted until the caller's release(); error bodies are read here only
-                return resp.status, await self._receive(resp, limit, keep=resp.status < 400)
+                return resp.status, await self._receive(resp, limit, keep=resp.status < 300)
+        except aiohttp.ClientConnectorCertificateError as exc:
+            # Not transient: every attempt would fail the same way until the deployment changes
+            # (like the gateway's credentials refused: 401/403), so the sample fails at once.
+            raise EngineError(
+                f"engine at {owner.display_url}: TLS certificate verification failed "
+                f"({mask_urls_in(str(exc.certificate_error))}); the gateway must trust the engine's certificate: "
+                f"add its CA to the system's store, or name it with SSL_CERT_FILE or SSL_CERT_DIR in the "
+                f"gateway's environment", status=None, category="server") from None
         except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
             raise _Broken(f"cannot connect to engine at {owner.display_url}: {mask_urls_in(str(exc))}",
                           no_response=True, reused=False) from None
@@ -158,6 +170,8 @@ class HttpsTransport:
         counted = self.counting and isinstance(proto, _CountingHandler)
         chunks: list[bytes] = []
         got = 0
+        complete = False
+        chunk = b""
         try:
             while True:
                 chunk = await content.readany()
@@ -170,12 +184,19 @@ class HttpsTransport:
                     raise EngineError(f"engine body exceeds engine.max_body_bytes={limit} (stopped reading after "
                                       f"{got} bytes)", status=resp.status, category="server")
                 chunks.append(chunk)
+            complete = True
         finally:
             if counted:  # headers and body: no next response on this connection before our next request
                 owner._add_unclaimed(-proto.unclaimed)
                 proto.unclaimed = 0
             else:
                 owner._add_unclaimed(-got)
+            if not complete:
+                # This frame outlives the failure: aiohttp's stream reader keeps the error, whose
+                # traceback holds this frame, and the error's frames hold the reader (a cycle
+                # only the cyclic GC frees, which an encoder runs rarely). Drop the partial body.
+                chunks.clear()
+                chunk = b""
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         if keep:
             owner._returned += len(data)

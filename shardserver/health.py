@@ -53,8 +53,10 @@ if TYPE_CHECKING:
 # is imported only to probe an https:// engine. It is ~16 MiB of each process's private memory,
 # and the front-ends import this module for readiness() only.
 
-#: The most body bytes a probe reads from ``/health`` or ``/v1/models`` (bytes).
+#: The most body bytes a probe reads from ``/health`` or ``/v1/models`` (bytes); a longer answer
+#: counts as a failed probe.
 PROBE_BODY_LIMIT = 4 << 20
+_TOO_LARGE = f"the answer's body is over {PROBE_BODY_LIMIT} bytes, the most a probe reads (health.PROBE_BODY_LIMIT)"
 
 __all__ = ["EngineProbe", "readiness", "engine_models_of"]
 
@@ -110,6 +112,14 @@ class EngineProbe:
         """Start probing in the running event loop (the first probe runs at once)."""
         if self.interval_s <= 0:
             return
+        self.open()
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-probe-{self.shard}")
+
+    def open(self) -> None:
+        """Open the probe's connection pool (``http://``) or aiohttp session (``https://``) in the
+        running event loop, without probing: :meth:`start` does this, and then probes every
+        ``interval_s``; alone, it lets :meth:`check_once` be called at will (closed by :meth:`close`)."""
         if self.url.startswith("http://"):
             from .engine_http import EnginePool, request_target
 
@@ -125,8 +135,6 @@ class EngineProbe:
                 connector=aiohttp.TCPConnector(limit=1, force_close=True),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers)
             self._errors = (OSError, aiohttp.ClientError)
-        self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-probe-{self.shard}")
 
     def kick(self) -> None:
         """The engine answered a request: if the last probe failed, probe now (not at the next
@@ -179,14 +187,26 @@ class EngineProbe:
                     status, body, _ = await pool.post(
                         b"", self._headers or {}, limit=PROBE_BODY_LIMIT, fresh=True, method="GET",
                         target=self._models_target if models else None)
-            except (ConnectFailed, Broken, BadResponse, BodyTooLarge) as exc:
+            except BodyTooLarge:
+                raise OSError(_TOO_LARGE) from None
+            except (ConnectFailed, Broken, BadResponse) as exc:
                 raise OSError(str(exc) or type(exc).__name__) from None
             out = bytes(body)
             pool.recycle(body)
             return status, out
         assert self._session is not None, "EngineProbe.start() was not called"
-        async with self._session.get(self.models_url if models else self.url) as resp:
-            return resp.status, await resp.read()
+        # As for http://: a redirect is an answer (not followed), and the body is bounded.
+        async with self._session.get(self.models_url if models else self.url, allow_redirects=False) as resp:
+            if resp.content_length is not None and resp.content_length > PROBE_BODY_LIMIT:
+                raise OSError(_TOO_LARGE)
+            parts: list[bytes] = []
+            got = 0
+            while chunk := await resp.content.readany():
+                got += len(chunk)
+                if got > PROBE_BODY_LIMIT:
+                    raise OSError(_TOO_LARGE)
+                parts.append(chunk)
+            return resp.status, b"".join(parts)
 
     async def check_once(self) -> bool:
         """Probe once and record the result; returns whether the engine is reachable."""

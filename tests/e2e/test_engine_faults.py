@@ -153,6 +153,26 @@ def test_an_https_engine_samples_probes_and_rides_out_the_keepalive_race():
         assert not mapped_distributions(s.stats()["shards"][0]["pid"]) & {"aiohttp", "yarl", "multidict"}
 
 
+def test_an_https_engine_with_an_untrusted_certificate_fails_samples_at_once_saying_so():
+    """Found by a break test: a TLS engine whose certificate the gateway does not trust (no
+    ``SSL_CERT_FILE``) was taken for an engine outage, each sample re-forwarded for
+    ``engine.unavailable_budget_s`` (300 s), the cause at the end of "last: ...". It is a
+    deployment fault no retry mends, like refused credentials: the sample fails at once."""
+    with FakeEngine(tls=True) as eng, gateway(eng.url, unavailable_budget_s=60) as s:
+        api = Api(s.url)
+        t0 = time.monotonic()
+        rid, _ = submit(api, api.sampling_session(), 152, 0)
+        st, _, b = retrieve(api, rid)
+        assert time.monotonic() - t0 < 10
+        body = json.loads(b)
+        assert (st, body["category"]) == (200, "server")
+        assert body["error"].startswith(f"engine at {eng.url}/v1/completions: TLS certificate verification "
+                                        f"failed (")
+        assert "self-signed certificate" in body["error"] and "SSL_CERT_FILE" in body["error"]
+        assert completions(eng) == []  # no request ever reached the engine
+        assert "engine_reforwards" not in counters(s)
+
+
 def test_idle_pooled_connections_are_dropped_before_the_engine_drops_them():
     """The pool's idle lifetime is a key (``engine.pool_idle_s``) whose default sits below vLLM's
     5 s keep-alive; with it below the engine's, an idle connection is never reused at all.

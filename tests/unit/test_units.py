@@ -515,3 +515,37 @@ def test_reader_never_returns_bytes_of_a_reused_slot():
     assert proc.exitcode == 0
     print(f"reads ok {ok}, invalidated {invalid}")
     assert ok > 100 and invalid > 10, (ok, invalid)
+
+
+def test_rate_limited_log_keeps_each_kind_apart_and_flushes_what_it_folded() -> None:
+    """The front-end's rate-limited connection log (``http_conn.RateLimitedLog``). Before: one
+    instance served header timeouts and 431s, so 19 timeouts were reported as 431s ("20 times in
+    the last 10 s" for a 15 s window), and events folded into no line were never logged."""
+    import logging
+
+    from shardserver.workers.http_conn import RateLimitedLog
+
+    lines: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("test.ratelimited")
+    logger.propagate = False
+    logger.addHandler(Grab())
+    rl = RateLimitedLog(logger, logging.WARNING, interval_s=1.0)
+
+    async def main() -> None:
+        for i in range(3):
+            rl.hit("timeout on connection %d", i)
+        rl.hit("431 on connection %d", 9)
+        assert lines == ["timeout on connection 0", "431 on connection 9"]
+        await asyncio.sleep(1.3)  # no further event: the two folded timeouts are logged anyway
+        assert lines[2:] == ["timeout on connection 2 (2 times in the last 1 s)"]
+        rl.hit("timeout on connection %d", 5)  # a new window: folded, then flushed alone
+        await asyncio.sleep(1.2)
+        assert lines[3:] == ["timeout on connection 5"]
+
+    asyncio.run(main())
+    assert len(lines) == 4

@@ -1,0 +1,89 @@
+"""The engine probe (:class:`shardserver.health.EngineProbe`) against a real server on 127.0.0.1,
+over both transports: ``http://`` (the encoders' own client) and ``https://`` (aiohttp, TLS with
+the test certificate of ``tests/e2e/tls``). Both must give the same verdicts: a redirect is an
+answer (reachable; never followed), and an answer body over ``PROBE_BODY_LIMIT`` fails the probe
+with a reason that says so, without reading it all (before: the https probe read any body whole,
+1.9 GB peak for a 4 GiB ``/health``, and followed redirects)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CERT = REPO / "tests" / "e2e" / "tls" / "cert.pem"
+
+# Run in a child process: aiohttp builds its verifying TLS context when imported, from
+# SSL_CERT_FILE among others, and this pytest process may have imported it already.
+SCRIPT = r'''
+import asyncio, json, ssl, sys
+sys.path.insert(0, sys.argv[2])
+from shardserver.health import EngineProbe, PROBE_BODY_LIMIT
+
+MODELS = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 1024}]}).encode()
+BIG = 8 << 20
+ANSWERS = [
+    b"HTTP/1.1 302 Found\r\nlocation: http://127.0.0.1:1/health\r\ncontent-length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(MODELS) + MODELS,
+    b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % BIG + b" " * BIG,
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + (b"100000\r\n" + b" " * (1 << 20) + b"\r\n") * 8 + b"0\r\n\r\n",
+]
+
+async def main(scheme):
+    seen = []
+    async def handle(r, w):
+        try:
+            head = await r.readuntil(b"\r\n\r\n")
+            seen.append(head.split(b"\r\n")[0].decode())
+            w.write(ANSWERS[len(seen) - 1])
+            await w.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            pass
+        finally:
+            w.close()
+    ctx = None
+    if scheme == "https":
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(sys.argv[3], sys.argv[4])
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
+    port = server.sockets[0].getsockname()[1]
+    probe = EngineProbe(f"{scheme}://127.0.0.1:{port}", interval_s=60, timeout_s=5.0)
+    probe.open()
+    out = []
+    for _ in range(3):
+        ok = await probe.check_once()
+        out.append([ok, probe.reason, probe.models])
+    await probe.close()
+    server.close()
+    await server.wait_closed()
+    print(json.dumps({"checks": out, "seen": seen}))
+
+asyncio.run(main(sys.argv[1]))
+'''
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_probe_verdicts_are_the_same_over_http_and_https(scheme: str) -> None:
+    env = {**os.environ, "SSL_CERT_FILE": str(CERT)}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, scheme, str(REPO), str(CERT), str(CERT.with_name("key.pem"))],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    too_large = ("the answer's body is over 4194304 bytes, the most a probe reads (health.PROBE_BODY_LIMIT)")
+    url = f"{scheme}://127.0.0.1:"
+    checks = got["checks"]
+    # 1: /health answers 302 (reachable, not followed), /v1/models tells the window.
+    assert checks[0] == [True, "", {"m": 1024}]
+    # 2: /health with an 8 MiB Content-Length body: not reachable, said why; the window stays.
+    assert checks[1][0] is False and checks[1][2] == {"m": 1024}
+    assert checks[1][1].startswith(f"cannot reach engine at {url}") and checks[1][1].endswith(
+        f"/health: {too_large}"), checks[1][1]
+    # 3: /health with an 8 MiB chunked body: the same.
+    assert checks[2][0] is False and checks[2][1].endswith(f"/health: {too_large}"), checks[2][1]
+    assert got["seen"] == ["GET /health HTTP/1.1", "GET /v1/models HTTP/1.1", "GET /health HTTP/1.1",
+                           "GET /health HTTP/1.1"]
