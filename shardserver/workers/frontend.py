@@ -68,7 +68,8 @@ class DrainingServer(uvicorn.Server):
                         "(raise it, e.g. ulimit -n, or lower server.max_connections)",
                         self._ctx.index, cfg.max_connections, cap, soft)
         listener = self.listener = Listener(sockets[0], cap, self._ctx.index)
-        limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, self._ctx.index, cfg.max_header_bytes)
+        limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, self._ctx.index, cfg.max_header_bytes,
+                                  linger_bytes=2 * cfg.max_request_bytes)
         state, config = self.server_state, self.config
 
         def protocol() -> GatewayHttpProtocol:

@@ -139,12 +139,17 @@ class ConnectionLimits:
         body_timeout_s: a request's body must be complete this long after its headers.
         front_end: this front-end's index (for log lines).
         max_header_bytes: bytes a request's line and headers may take (``server.max_header_bytes``).
+        linger_bytes: after an answer given before its request's body was complete (a 413),
+            the most body bytes read and discarded before the connection is closed (the
+            front-ends use twice ``server.max_request_bytes``: a request a little over the
+            bound still ends, and its connection serves the next one); 0: no bound.
     """
 
     header_timeout_s: float
     body_timeout_s: float
     front_end: int = 0
     max_header_bytes: int = 64 * 1024
+    linger_bytes: int = 0
 
 
 def effective_max_connections(configured: int) -> tuple[int, int]:
@@ -183,6 +188,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._in_head = True        # the next bytes belong to a request line or headers
         self._head_bytes = 0        # bytes of them received so far
         self._tail = b""            # the last 3 bytes of the head so far (a blank line may straddle reads)
+        self._linger_left: int | None = None  # body bytes still read after an early answer (None: not lingering)
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, phase: str, seconds: float) -> None:
@@ -221,8 +227,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         phase, self._timer, self._phase = self._phase, None, ""
         if self.transport.is_closing():
             return
-        if phase == "drain":
-            self.transport.close()  # idle through the drain's grace: nothing in flight
+        if phase in ("drain", "linger"):
+            self.transport.close()  # idle through the drain's grace, or the linger is over
             return
         CONNECTION_TIMEOUTS.labels(phase=phase).inc()
         if self._listener is not None:
@@ -270,6 +276,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self._listener.not_idle(self)
         if self._phase == "drain":
             self._disarm()
+        if self._linger_left is not None:
+            # The answer went out before the request's body was complete (413): what follows is
+            # read and thrown away, so that the client still reads the answer, but only so much
+            # (a 100 GiB upload was drained whole, ~44 s of CPU on 2 cores).
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                self._linger_left = None
+                self._disarm()
+                self.transport.close()
+                return
         if self._in_head:
             # Count a request's head before the parser sees it: up to the blank line that ends it
             # (which may straddle two reads), else the whole read. A request pipelined behind
@@ -329,14 +345,25 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_head, self._head_bytes, self._tail = True, 0, b""
-        if self._phase == "body":
+        if self._phase in ("body", "linger"):
             self._disarm()
+        self._linger_left = None
         self._started = False
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        cycle = self.cycle
+        early = cycle is not None and cycle.more_body  # answered before the request's body was complete
         super().on_response_complete()
-        if self.transport.is_closing() or self.pipeline:
+        if self.transport.is_closing():
+            return
+        if early and self._limits.linger_bytes:
+            # Read the rest for at most body_timeout_s and linger_bytes, then close (unless it
+            # ends: then the connection serves the next request, as any other).
+            self._linger_left = self._limits.linger_bytes
+            self._arm("linger", self._limits.body_timeout_s)
+            return
+        if self.pipeline:
             return
         if self._draining:
             self._arm("drain", DRAIN_IDLE_S)

@@ -255,3 +255,59 @@ def test_request_headers_over_max_header_bytes_are_answered_431_and_closed(gatew
     grew_mib = (_peak_rss_kib(pid) - base) / 1024
     assert grew_mib < 16, grew_mib
     assert http_json(gateway.url + "/healthz")[0] == 200
+
+
+def test_a_413_reads_at_most_max_request_bytes_more_then_closes(gateway):
+    """Found by a break test: a request declaring a 100 GiB body was answered 413 at once, but
+    the front-end went on reading and discarding the upload (~44 s of CPU on 2 cores for all of
+    it). Now it reads at most twice ``server.max_request_bytes`` (32 MiB) more after the answer,
+    so the client can still read its 413, then closes. A client that stops sending within that
+    keeps its connection for the next request."""
+
+    async def upload() -> tuple[bytes, int]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+        writer.write(b"POST /api/v1/asample HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (100 << 30))
+        got = b""
+
+        async def read() -> None:
+            nonlocal got
+            while chunk := await reader.read(65536):
+                got += chunk
+
+        reading = asyncio.get_running_loop().create_task(read())
+        sent = 0
+        piece = b" " * (1 << 20)
+        try:
+            for _ in range(4096):  # at most 4 GiB; the server closes long before
+                writer.write(piece)
+                await asyncio.wait_for(writer.drain(), 10)
+                sent += len(piece)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        try:
+            await asyncio.wait_for(reading, 10)
+        except ConnectionResetError:
+            pass
+        writer.close()
+        return got, sent
+
+    got, sent = asyncio.run(upload())
+    body = b'{"error":"request body of 107374182400 bytes exceeds server.max_request_bytes=16777216"}'
+    assert got.startswith(b"HTTP/1.1 413 Request Entity Too Large\r\n") and got.endswith(body), got[:300]
+    # 32 MiB read after the answer, plus what the two sockets' buffers held (a few MiB at most).
+    assert sent < 64 << 20, sent
+    # Stopping within the bound: the connection serves the next request.
+    async def small_then_next() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+        writer.write(b"POST /api/v1/asample HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (17 << 20))
+        writer.write(b" " * (17 << 20))
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        out = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return out
+
+    out = asyncio.run(small_then_next())
+    assert out.startswith(b"HTTP/1.1 413 ") and b"HTTP/1.1 200 OK\r\n" in out and out.endswith(b'}'), out[-300:]
