@@ -148,6 +148,11 @@ class HttpsTransport:
                               no_response=False, reused=trace.reused) from None
             raise _Broken(f"engine connection broke before the response: {mask_urls_in(what)}",
                           no_response=True, reused=trace.reused) from None
+        except aiohttp.ClientResponseError as exc:
+            # aiohttp's parser refusing the answer (its "400" is no status the engine sent):
+            # worded as engine_http words it for http:// engines.
+            raise EngineError(f"engine request failed: not an HTTP/1.1 answer: {mask_urls_in(str(exc.message))}",
+                              status=None, category="server") from None
         except aiohttp.ClientError as exc:
             raise EngineError(f"engine request failed: {mask_urls_in(str(exc))}", status=None,
                               category="server") from None

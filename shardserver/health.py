@@ -195,8 +195,18 @@ class EngineProbe:
             pool.recycle(body)
             return status, out
         assert self._session is not None, "EngineProbe.start() was not called"
-        # As for http://: a redirect is an answer (not followed), and the body is bounded.
-        async with self._session.get(self.models_url if models else self.url, allow_redirects=False) as resp:
+        # As for http://: a redirect is an answer (not followed), the body is bounded, and an
+        # answer aiohttp's parser refuses is "not an HTTP/1.1 answer" (not its code 400).
+        import aiohttp
+
+        try:
+            return await self._get_aiohttp(self.models_url if models else self.url)
+        except aiohttp.ClientResponseError as exc:
+            raise OSError(f"not an HTTP/1.1 answer: {exc.message}") from None
+
+    async def _get_aiohttp(self, url: str) -> tuple[int, bytes]:
+        assert self._session is not None
+        async with self._session.get(url, allow_redirects=False) as resp:
             if resp.content_length is not None and resp.content_length > PROBE_BODY_LIMIT:
                 raise OSError(_TOO_LARGE)
             parts: list[bytes] = []

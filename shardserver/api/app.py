@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.middleware.errors import ServerErrorMiddleware
@@ -133,4 +134,8 @@ def create_app(ctx: FrontendContext) -> FastAPI:
     app.include_router(sampling.router)
     app.include_router(futures.router)
     app.include_router(ops.fallback_router)
+    # Which methods each path serves, for the catch-all's 405 (ops.not_served).
+    app.state.route_methods = [(route.path_regex, set(route.methods)) for r in (
+        ops.router, sessions.router, sampling.router, futures.router) for route in r.routes
+        if isinstance(route, APIRoute)]
     return app

@@ -84,5 +84,23 @@ async def not_served(path: str, request: Request) -> JSONResponse:
         ctx.count("http_501")
         return error(501, f"/api/v1/{path} is a training endpoint: not supported by this gateway "
                           "(it only samples)")
+    allowed = _methods_served(request)
+    if allowed:
+        ctx.count("http_405")
+        return JSONResponse({"error": f"/api/v1/{path} does not take {request.method[:16]}: use {', '.join(allowed)}"},
+                            status_code=405, headers={"Allow": ", ".join(allowed)})
     ctx.count("http_404")
     return error(404, f"no such endpoint: /api/v1/{path}")
+
+
+def _methods_served(request: Request) -> list[str]:
+    """The methods (sorted) that the app's routes serve at the request's path, from
+    ``app.state.route_methods`` (``[(path regex, methods)]``, set by ``create_app``): the
+    ``Allow`` of a 405 for a path that exists under another method (``GET /api/v1/asample``)."""
+    path = request.scope["path"]
+    allowed: set[str] = set()
+    for regex, methods in getattr(request.app.state, "route_methods", ()):
+        if regex.match(path):
+            allowed |= methods
+    allowed.discard("HEAD")
+    return sorted(allowed)

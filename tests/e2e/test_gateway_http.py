@@ -247,6 +247,18 @@ def test_training_endpoints_are_refused(api):
     assert st == 404
 
 
+def test_a_served_path_under_another_method_is_405_naming_the_method(server):
+    """Found by a break test: ``GET /api/v1/asample`` answered 404 "no such endpoint" (the
+    ``/api/v1/`` catch-all took it); the endpoint exists, for POST."""
+    from shardserver.testing import http_json
+
+    for path in ("/api/v1/asample", "/api/v1/retrieve_future", "/api/v1/create_sampling_session"):
+        st, h, b = http_json(server.url + path, method="GET")
+        assert (st, h["allow"], json.loads(b)) == (405, "POST", {"error": f"{path} does not take GET: use POST"})
+    st, _, b = http_json(server.url + "/api/v1/no_such_thing", method="GET")
+    assert (st, json.loads(b)) == (404, {"error": "no such endpoint: /api/v1/no_such_thing"})
+
+
 def test_token_ids_out_of_int32_range_are_400(api):
     ssid = api.sampling_session()
     for bad in (2**31 + 5, -1):

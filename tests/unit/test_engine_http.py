@@ -902,3 +902,22 @@ def test_a_transfer_coding_other_than_chunked_is_a_bad_response() -> None:
             assert held == [0]
             await pool.close()
     run(main())
+
+
+def test_an_answer_aiohttp_cannot_parse_is_worded_as_not_http_not_as_a_400() -> None:
+    # Found by a break test: over https:// it read "engine request failed: 400, message=...", the
+    # 400 being aiohttp's parser code, not a status the engine sent.
+    bad = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!"
+
+    async def main() -> None:
+        async with Script([bad]) as s:
+            from shardserver.engine_https import HttpsTransport
+
+            client = EngineClient(EngineConfig(), f"http://127.0.0.1:{s.port}")
+            client._https = HttpsTransport(client)  # the https:// transport, over http:// here
+            with pytest.raises(EngineError) as ei:
+                await client.post(b"{}", {})
+            assert str(ei.value).startswith("engine request failed: not an HTTP/1.1 answer: "), str(ei.value)
+            assert "400" not in str(ei.value) and ei.value.status is None and ei.value.category == "server"
+            await client.close()
+    run(main())
