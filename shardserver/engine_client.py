@@ -44,9 +44,9 @@ attempt when it is longer than the backoff, never past the budget
 
 Budget: the client keeps the engine's outage: the time of the first failure since the last
 answer (any HTTP answer that is not a re-forwardable one ends it, and so does a successful
-health probe while no request is being re-forwarded). A request gives up once it has kept
-failing for ``engine.unavailable_budget_s`` seconds since its own first failure, so every sample
-gets the whole budget to ride out an engine restart and none is re-sent forever (e.g. a body
+health probe while no request is being re-forwarded and none failed in the last second). A
+request gives up once it has kept failing for ``engine.unavailable_budget_s`` seconds since its
+own first failure, so every sample gets the whole budget to ride out an engine restart and none is re-sent forever (e.g. a body
 that is always cut); or, during an outage already older than the budget, after its second
 failed attempt (so the futures queued behind the first ``engine.pool_size`` do not each wait a
 budget more; one transient failure alone never fails a request). :meth:`EngineClient.unavailable`
@@ -115,6 +115,9 @@ def engine_did_not_answer(status: int, body: bytes) -> bool:
             or (status == 500 and body.startswith(_ROUTER_TRANSPORT_500)))
 # Re-forward backoff (seconds): first wait, factor 2 per re-forward, cap; each wait is jittered to
 # 50-100 % so that the requests of one outage do not come back in lockstep.
+#: A successful health probe ends an outage only once no engine request failed for this long
+#: (seconds; :meth:`EngineClient.probe_ok`).
+PROBE_QUIET_S = 1.0
 _BACKOFF_FIRST_S = 0.1
 _BACKOFF_MAX_S = 2.0
 
@@ -229,6 +232,7 @@ class EngineClient:
         # The engine's outage: monotonic time of the first failure since the last answer, and why.
         self._down_since: float | None = None
         self._down_reason = ""
+        self._last_failure = 0.0  # monotonic time of the last failed attempt (see probe_ok)
         self._retrying = 0  # requests between their first failure and their final outcome
         # Engine answers in this process (see answer_bytes): bytes the connections received that
         # no reader claimed yet, and 2xx bodies post() returned that nobody release()d yet.
@@ -287,8 +291,11 @@ class EngineClient:
 
     def probe_ok(self) -> None:
         """The engine answered a health probe: end the outage if no request is being re-forwarded
-        (so ``/readyz`` does not stay 503 after an outage that no sample has tried since)."""
-        if self._retrying == 0:
+        and none failed in the last :data:`PROBE_QUIET_S` seconds (so ``/readyz`` does not stay
+        503 after an outage that no sample has tried since, while a ``GET /health`` that answers
+        does not outweigh completions refused a moment ago: an engine whose admission control
+        answers 503 still serves ``/health``)."""
+        if self._retrying == 0 and time.monotonic() - self._last_failure >= PROBE_QUIET_S:
             self._answered()
 
     def _answered(self) -> None:
@@ -378,6 +385,7 @@ class EngineClient:
                 self._down_since = now
                 log.warning("engine at %s unavailable: %s", self.display_url, reason)
             self._down_reason = reason
+            self._last_failure = now
             failed += 1
             down_for = now - first_failure
             if failed >= 2 and now - self._down_since >= cfg.unavailable_budget_s:

@@ -79,7 +79,7 @@ def _exchange(port: int, other_rid: str) -> tuple[list[tuple[str, bytes]], dict[
         ("asample missing key", _post(port, "/api/v1/asample", _sample_req(ssid, 4), key=None)),
         ("asample wrong key", _post(port, "/api/v1/asample", _sample_req(ssid, 4), key="tml-not-a-key")),
         ("asample other key's session", _post(port, "/api/v1/asample", _sample_req(ssid, 5), key=OTHER_KEY)),
-        ("asample GET (404)", _post(port, "/api/v1/asample", b"", method="GET")),
+        ("asample GET (405)", _post(port, "/api/v1/asample", b"", method="GET")),
         ("retrieve not JSON", _post(port, "/api/v1/retrieve_future", b"[1,")),
         ("retrieve bad fields", _post(port, "/api/v1/retrieve_future", {"request_id": 5})),
         ("retrieve unknown (404)", _post(port, "/api/v1/retrieve_future", {"request_id": "nope"})),
@@ -141,7 +141,7 @@ def test_fast_path_answers_byte_identical_to_fastapi(tmp_path):
         "asample ok": 200, "retrieve pending (408)": 408, "asample not JSON": 400, "asample bad fields": 400,
         "asample empty prompt": 400, "asample bad token": 400, "asample unknown session": 404,
         "asample too large": 413, "asample nested 900": 400, "asample nested 901": 400, "retrieve nested 965": 400, "asample missing key": 401, "asample wrong key": 401,
-        "asample other key's session": 404, "asample GET (404)": 404, "retrieve not JSON": 400,
+        "asample other key's session": 404, "asample GET (405)": 405, "retrieve not JSON": 400,
         "retrieve bad fields": 400, "retrieve unknown (404)": 404, "retrieve other run (410)": 410,
         "retrieve other key": 404, "retrieve missing key": 401, "retrieve too large": 413,
         "retrieve done (JSON)": 200, "retrieve done (proto)": 200}
