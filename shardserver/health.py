@@ -236,11 +236,17 @@ class EngineProbe:
                 log.info("encoder %d: engine reachable (%s)", self.shard, self.display_url)
             else:
                 log.warning("encoder %d: engine unreachable: %s", self.shard, reason)
-        if ok:
+        # The context windows are read before the verdict is recorded only while none is known
+        # (so the first /readyz 200 carries them); afterwards, after it, so that a /v1/models
+        # that is slow to answer does not hold back the recovery /readyz reports.
+        known = bool(self.models)
+        if ok and not known:
             await self._learn_models()
         self.ok, self.reason, self.checked_at = ok, reason, time.monotonic()
         if ok and self.on_ok is not None:
             self.on_ok()
+        if ok and known:
+            await self._learn_models()
         return ok
 
     async def _learn_models(self) -> None:

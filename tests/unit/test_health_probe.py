@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,53 @@ def test_probe_verdicts_are_the_same_over_http_and_https(scheme: str) -> None:
     assert checks[2][0] is False and checks[2][1].endswith(f"/health: {too_large}"), checks[2][1]
     assert got["seen"] == ["GET /health HTTP/1.1", "GET /v1/models HTTP/1.1", "GET /health HTTP/1.1",
                            "GET /health HTTP/1.1"]
+
+
+def test_a_slow_models_answer_does_not_hold_back_recovery() -> None:
+    """Found by a break test: with ``/v1/models`` hanging, ``/readyz`` turned 200 only when the
+    probe's models request timed out (5.5 s instead of 0.5 s after the engine came back). Once
+    the context windows are known, the verdict is recorded first and the windows refreshed after;
+    the first verdict still waits for them (so the first /readyz 200 carries them)."""
+    import asyncio
+
+    from shardserver.health import EngineProbe
+
+    models = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 1024}]}).encode()
+    answers = [b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+               b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(models), models),
+               b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n",
+               b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+               None]  # /v1/models: never answered
+
+    async def main() -> None:
+        seen: list[str] = []
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            head = await r.readuntil(b"\r\n\r\n")
+            seen.append(head.split(b"\r\n")[0].decode())
+            answer = answers[len(seen) - 1]
+            if answer is None:
+                await asyncio.sleep(30)
+            else:
+                w.write(answer)
+                await w.drain()
+            w.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        probe = EngineProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", interval_s=60, timeout_s=5.0)
+        probe.open()
+        assert await probe.check_once() is True and probe.models == {"m": 1024}
+        assert await probe.check_once() is False  # /health 503: down (no models request)
+        t0 = time.monotonic()
+        check = asyncio.get_running_loop().create_task(probe.check_once())
+        while len(seen) < 5 and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        # /v1/models is asked and hangs; the probe already says reachable, with the known window.
+        assert seen[4] == "GET /v1/models HTTP/1.1" and not check.done()
+        assert (probe.state().ok, probe.state().models) == (True, {"m": 1024})
+        assert time.monotonic() - t0 < 2
+        check.cancel()
+        await probe.close()
+        server.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
