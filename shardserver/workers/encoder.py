@@ -355,7 +355,8 @@ class EncoderCore:
         taken over) as GONE entries with no result, stamped now, so the next
         ``retrieve_futures`` of their session reports them failed; ``retrieve_future`` for them
         answers 410 and the SDK resubmits. They stay journaled until the session's cursor
-        passes them or they leave the table (ack, ``futures.completed_ttl_s``). Returns how
+        passes them, a ``retrieve_future`` is answered 410 for them, or they leave the table
+        (ack, ``futures.completed_ttl_s`` from now). Returns how
         many were added (a fid the table holds already is skipped)."""
         n = 0
         now = time.monotonic()
@@ -796,7 +797,10 @@ class EncoderCore:
                     timer.cancel()
                     if w in e.waiters:
                         e.waiters.remove(w)
-        return self._answer(e, req.want)
+        reply = self._answer(e, req.want)
+        if e.journaled and isinstance(reply, PollGone):
+            self._unjournal(e)  # a lost future answered 410: the client resubmits; nothing more is owed
+        return reply
 
     def _answer(self, e: FutureEntry, want: ResultForm) -> PollReply:
         if e.state == FutureState.PENDING:
@@ -838,6 +842,11 @@ class EncoderCore:
             self.eviction_queue[fid] = None
             self.eviction_queue.move_to_end(fid)
         self._set_deadline(e, self.cfg.futures.retrieved_ttl_s)
+        # The client has its answer: after a restart nothing is owed (a retry of its
+        # retrieve_future finds the future unknown: 410, resubmit). Kept journaled, every
+        # delivered result held for futures.retrieved_ttl_s came back as a lost future at each
+        # encoder restart, and restarts closer together than futures.completed_ttl_s piled them up.
+        self._unjournal(e)
 
     # -- SESSION_POLL and CANCEL ---------------------------------------------------------
     async def session_poll(self, req: SessionPollRequest) -> SessionPollReply:

@@ -176,12 +176,12 @@ class _Engine:
 def make_core(tmp_path):
     made = []
 
-    def make(journal: FutureJournal) -> EncoderCore:
+    def make(journal: FutureJournal, engine: object | None = None) -> EncoderCore:
         name = segment_name(os.getpid(), "c0ffee01", random.randrange(10**6), 0)
         create_segment(name, 1 << 20)
         arena = ArenaWriter(name)
         cfg = config_from_mapping({"shards": {"count": 1}}, env={})
-        c = EncoderCore(cfg, 0, arena, _Engine(), IdSigner(b"k", "0badcafe"), journal=journal)
+        c = EncoderCore(cfg, 0, arena, engine or _Engine(), IdSigner(b"k", "0badcafe"), journal=journal)
         made.append((c, arena, name))
         return c
 
@@ -341,3 +341,38 @@ def test_stamps_carry_the_runs_cursor_tag_and_never_precede_their_logging(tmp_pa
     assert all(st % CURSOR_TAG_SPAN == 5 for st in stamps)
     assert all(b > a for a, b in zip(stamps, stamps[1:]))
     assert t0 <= stamps[0] < t1 + CURSOR_TAG_SPAN and stamps[-1] < t1 + 50 * CURSOR_TAG_SPAN
+
+
+def test_a_future_whose_client_got_its_answer_is_owed_nothing_after_a_restart(tmp_path, make_core):
+    """Found by a leak hunt: a result delivered by retrieve_future stayed journaled while kept for
+    futures.retrieved_ttl_s, so each encoder restart brought every recently delivered future back
+    as a lost one (GONE, with a fresh futures.completed_ttl_s), and restarts closer together than
+    that piled them up (158 -> 693 "gone" over 6 kills 8 s apart). A delivered result, and a lost
+    future answered 410, now end their records."""
+    from test_encoder_core import SimEngine
+
+    async def go():
+        j, _ = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+        a = make_core(j, SimEngine())
+        delivered, undelivered = _submit(a, "sidA", 1), _submit(a, "sidA", 2)
+        for _ in range(200):
+            if a.stages()["completed"] == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert a.stages()["completed"] == 2
+        a.delivered_ok(delivered)  # the front-end sent it to its client
+        assert (a.table[delivered].journaled, a.table[undelivered].journaled, j.live) == (False, True, 1)
+        os.close(j.fd)  # SIGKILL
+        j2, took = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+        assert [r.fid for r in took.records] == [undelivered]
+        b = make_core(j2)
+        assert b.restore(took.records) == 1
+        # Its client asks for it (retrieve_future): 410; nothing is owed any more.
+        assert isinstance(await b.poll(PollRequest(fid=undelivered, timeout=0)), PollGone)
+        assert b.table[undelivered].journaled is False and j2.live == 0
+        os.close(j2.fd)  # SIGKILL again: nothing comes back
+        j3, took = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+        assert took.records == []
+        j3.close()
+
+    asyncio.run(go())
