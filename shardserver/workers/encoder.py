@@ -338,7 +338,9 @@ class EncoderCore:
         try:
             j.end(e.fid)
             if j.needs_compaction:
-                j.compact(JournalRecord(x.fid, x.key[0], x.key[1] // CLONE_SEQ_SPAN)  # type: ignore[index]
+                wall = time.time() - time.monotonic()  # unix time = monotonic time + wall
+                j.compact(JournalRecord(x.fid, x.key[0], x.key[1] // CLONE_SEQ_SPAN,  # type: ignore[index]
+                                        int(x.created + wall))
                           for x in self.table.values() if x.journaled)
                 self.counters["journal_compactions"] += 1
         except OSError as exc:
@@ -356,20 +358,25 @@ class EncoderCore:
         ``retrieve_futures`` of their session reports them failed; ``retrieve_future`` for them
         answers 410 and the SDK resubmits. They stay journaled until the session's cursor
         passes them, a ``retrieve_future`` is answered 410 for them, or they leave the table
-        (ack, ``futures.completed_ttl_s`` from now). Returns how
+        (ack, ``futures.completed_ttl_s`` after the shard first accepted them). Returns how
         many were added (a fid the table holds already is skipped)."""
         n = 0
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
+        ttl = self.cfg.futures.completed_ttl_s
         for r in records:
             if r.fid in self.table:
                 continue
-            e = FutureEntry(fid=r.fid, key=(r.sid, r.clone * CLONE_SEQ_SPAN), created=now)
+            # Its TTL counts from when the shard first accepted it (the record's ``since``), so a
+            # future restored at restart after restart still leaves futures.completed_ttl_s after
+            # that (before, each restart gave it a whole TTL again).
+            age = min(max(0.0, wall - r.since), ttl) if r.since else 0.0
+            e = FutureEntry(fid=r.fid, key=(r.sid, r.clone * CLONE_SEQ_SPAN), created=now - age)
             e.gone_reason = "lost when its encoder or the gateway restarted; resubmit the request"
             e.state, e.journaled = FutureState.GONE, self.journal is not None
             self.table[r.fid] = e
             self.state_counts[FutureState.GONE] += 1
             self._log_completion(e)
-            self._set_deadline(e, self.cfg.futures.completed_ttl_s, now)
+            self._set_deadline(e, ttl - age, now)
             n += 1
         if n:
             self.counters["restored_lost"] += n

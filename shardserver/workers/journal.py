@@ -11,10 +11,13 @@ is the listening ``host_port``, so gateways sharing a state directory never shar
 Records are ASCII lines, appended with one unbuffered ``os.write`` on an ``O_APPEND`` descriptor
 (what a SIGKILLed process wrote stays in the page cache)::
 
-    +<fid> <sampling_session_id> <cloned_sampler_id> <crc>\\n    the shard accepted a SUBMIT
+    +<fid> <sampling_session_id> <cloned_sampler_id> <since> <crc>\\n    the shard accepted a SUBMIT
     -<fid> <crc>\\n                                          it owes no report any more
 
-``crc``: CRC-32 (``zlib.crc32``) of the text before the last space, 8 lowercase hex digits. A
+``since``: when it was accepted (unix seconds, whole), so that a future restored again and again
+keeps its first age (``futures.completed_ttl_s`` counts from it); a ``+`` line without it (an
+older gateway's) is still read, its age unknown. ``crc``: CRC-32 (``zlib.crc32``) of the text
+before the last space, 8 lowercase hex digits. A
 line whose CRC does not match or that has no final newline (a write cut short) is ignored.
 
 The file is rewritten (the live records to a temporary file, then ``rename``) when a new
@@ -54,11 +57,14 @@ class JournalRecord:
         fid: the future ID (``request_id``).
         sid: its ``sampling_session_id``.
         clone: its ``cloned_sampler_id`` (``seq_id // 10**9``, the SDK's poller target).
+        since: when the shard accepted it (unix seconds, whole); 0 for a record written before
+            the field existed (its age is then unknown).
     """
 
     fid: str
     sid: str
     clone: int
+    since: int = 0
 
 
 @dataclass(slots=True)
@@ -104,9 +110,14 @@ def _line(body: str) -> bytes:
     return b"%s %08x\n" % (b, zlib.crc32(b))
 
 
-def add_line(fid: str, sid: str, clone: int) -> bytes:
-    """The ``+`` record of a future (bytes, ending in a newline)."""
-    return _line(f"+{fid} {sid} {clone}")
+def _unix_now() -> int:
+    """Whole unix seconds now: a record's ``since``."""
+    return int(time.time())
+
+
+def add_line(fid: str, sid: str, clone: int, since: int = 0) -> bytes:
+    """The ``+`` record of a future (bytes, ending in a newline); ``since`` 0 is left out."""
+    return _line(f"+{fid} {sid} {clone} {since}" if since else f"+{fid} {sid} {clone}")
 
 
 def end_line(fid: str) -> bytes:
@@ -132,10 +143,11 @@ def read_journal(data: bytes) -> tuple[dict[str, JournalRecord], int]:
             continue
         if text[0] == "+":
             parts = text[1:].split(" ")
-            if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
+            if len(parts) not in (3, 4) or not parts[2].lstrip("-").isdigit() or (
+                    len(parts) == 4 and not parts[3].isdigit()):
                 bad += 1
                 continue
-            live[parts[0]] = JournalRecord(parts[0], parts[1], int(parts[2]))
+            live[parts[0]] = JournalRecord(parts[0], parts[1], int(parts[2]), int(parts[3]) if len(parts) == 4 else 0)
         elif text[0] == "-" and " " not in text:
             live.pop(text[1:], None)
         else:
@@ -297,7 +309,7 @@ class FutureJournal:
             out.waited_s = time.monotonic() - t0
             out.records = list(live.values())
             try:
-                fd = cls._rewrite(mine, (add_line(r.fid, r.sid, r.clone) for r in out.records))
+                fd = cls._rewrite(mine, (add_line(r.fid, r.sid, r.clone, r.since) for r in out.records))
             except OSError as exc:
                 raise JournalUnwritable(exc, out) from exc
             for path, _ in taken:
@@ -344,8 +356,8 @@ class FutureJournal:
             _write_all(self.fd, line[n:])
 
     def add(self, fid: str, sid: str, clone: int) -> None:
-        """Record that the shard accepted the future ``fid`` of session ``(sid, clone)``."""
-        self._append(add_line(fid, sid, clone))
+        """Record that the shard accepted the future ``fid`` of session ``(sid, clone)`` now."""
+        self._append(add_line(fid, sid, clone, _unix_now()))
         self.live += 1
         self.records += 1
 
@@ -374,7 +386,7 @@ class FutureJournal:
             nonlocal n
             for r in live:
                 n += 1
-                yield add_line(r.fid, r.sid, r.clone)
+                yield add_line(r.fid, r.sid, r.clone, r.since)
 
         fd = self._rewrite(self.path, lines())
         os.close(self.fd)

@@ -40,6 +40,14 @@ def test_tag_is_a_safe_file_name():
     assert journal_tag("0.0.0.0", 0) == "0.0.0.0_0"
 
 
+NOW = 1_796_000_000  # the unix seconds records are stamped with in these tests (journal._unix_now)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_clock(monkeypatch):
+    monkeypatch.setattr(jmod, "_unix_now", lambda: NOW)
+
+
 def test_lines_are_exact_and_replay_keeps_the_live_set(tmp_path):
     j, took = FutureJournal.open(str(tmp_path), TAG, 0, 2)
     assert (took.records, took.files, took.bad_lines) == ([], 0, 0)
@@ -49,11 +57,12 @@ def test_lines_are_exact_and_replay_keeps_the_live_set(tmp_path):
     j.end(_fid(2))
     assert (j.live, j.records) == (2, 4)
     data = (tmp_path / f"{TAG}.0.journal").read_bytes()
-    first = f"+{_fid(1)} sidA 0".encode()
+    first = f"+{_fid(1)} sidA 0 {NOW}".encode()
     assert data.startswith(first + b" %08x\n" % zlib.crc32(first))
     assert data.endswith(f"-{_fid(2)}".encode() + b" %08x\n" % zlib.crc32(f"-{_fid(2)}".encode()))
     live, bad = read_journal(data)
-    assert (list(live.values()), bad) == ([JournalRecord(_fid(1), "sidA", 0), JournalRecord(_fid(3), "sidA", 0)], 0)
+    assert (list(live.values()), bad) == ([JournalRecord(_fid(1), "sidA", 0, NOW),
+                                           JournalRecord(_fid(3), "sidA", 0, NOW)], 0)
     j.close()
     assert _files(tmp_path) == [f"{TAG}.0.journal"]  # two futures still owed: the file stays
 
@@ -91,7 +100,7 @@ def test_compaction_rewrites_the_live_set_and_appending_goes_on(tmp_path, monkey
     live: dict[str, JournalRecord] = {}
     for i in range(30):
         j.add(_fid(i), "s", i % 2)
-        live[_fid(i)] = JournalRecord(_fid(i), "s", i % 2)
+        live[_fid(i)] = JournalRecord(_fid(i), "s", i % 2, NOW)
         if i % 3:
             j.end(_fid(i))
             del live[_fid(i)]
@@ -99,7 +108,7 @@ def test_compaction_rewrites_the_live_set_and_appending_goes_on(tmp_path, monkey
             j.compact(live.values())
     assert j.compactions >= 1 and j.live == len(live) == 10
     j.add(_fid(99), "t", 7)
-    live[_fid(99)] = JournalRecord(_fid(99), "t", 7)
+    live[_fid(99)] = JournalRecord(_fid(99), "t", 7, NOW)
     path = tmp_path / f"{TAG}.0.journal"
     got, bad = read_journal(path.read_bytes())
     assert (got, bad) == (live, 0)
@@ -283,7 +292,7 @@ def test_a_journal_file_that_cannot_be_opened_does_not_stop_the_take_over(tmp_pa
     assert records == [JournalRecord(_fid(1), "s", 0), JournalRecord(_fid(2), "s", 3)]
     journal.add(_fid(3), "s", 0)
     assert read_journal((d / f"{TAG}.0.journal").read_bytes()) == (
-        {_fid(i): JournalRecord(_fid(i), "s", c) for i, c in ((1, 0), (2, 3), (3, 0))}, 0)
+        {_fid(i): JournalRecord(_fid(i), "s", c, NOW if i == 3 else 0) for i, c in ((1, 0), (2, 3), (3, 0))}, 0)
     assert (d / f"{TAG}.2.journal").is_dir()
     journal.close()
 
@@ -374,5 +383,47 @@ def test_a_future_whose_client_got_its_answer_is_owed_nothing_after_a_restart(tm
         j3, took = FutureJournal.open(str(tmp_path), TAG, 0, 1)
         assert took.records == []
         j3.close()
+
+    asyncio.run(go())
+
+
+def test_a_restored_future_keeps_its_first_age_over_restarts(tmp_path, make_core):
+    """Found by a leak hunt: a lost future restored at each encoder restart got a whole
+    futures.completed_ttl_s again each time, so under restarts closer together than that, lost
+    futures nobody asked about never expired. The ``+`` record now carries when the shard first
+    accepted the future, and the TTL counts from then; a record of an older gateway (no time)
+    is still read, its age unknown."""
+    async def go():
+        j, _ = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+        a = make_core(j)
+        ttl = a.cfg.futures.completed_ttl_s
+        fid = _submit(a, "sidA", 1)
+        os.close(j.fd)  # SIGKILL; the record says it was accepted at NOW
+        j2, took = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+        assert [(r.fid, r.since) for r in took.records] == [(fid, NOW)]
+        # Restored 100 s later (the wall clock of the encoder), its deadline is TTL - 100 s away.
+        from shardserver.workers import encoder as enc_mod
+        real = enc_mod.time.time
+        enc_mod.time.time = lambda: NOW + 100.0
+        try:
+            b = make_core(j2)
+            assert b.restore(took.records) == 1
+            left = b.table[fid].deadline - time.monotonic()
+            assert ttl - 101 < left <= ttl - 99, left
+            os.close(j2.fd)  # SIGKILL again: the takeover rewrite keeps the first time
+            j3, took = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+            assert [(r.fid, r.since) for r in took.records] == [(fid, NOW)]
+            # Past its TTL since first accepted: restored already expired, dropped at the sweep.
+            enc_mod.time.time = lambda: NOW + ttl + 5.0
+            c = make_core(j3)
+            c.restore(took.records)
+            c.sweep(time.monotonic() + 0.01)
+            assert c.table == {} and j3.live == 0
+        finally:
+            enc_mod.time.time = real
+        j3.close()
+        # An older gateway's record (no time) restores with a whole TTL, as before.
+        rec = read_journal(jmod.add_line("f-old", "s", 0))[0]["f-old"]
+        assert rec == JournalRecord("f-old", "s", 0, 0)
 
     asyncio.run(go())
