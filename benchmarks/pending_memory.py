@@ -25,7 +25,7 @@ import tracemalloc
 from shardserver.config import config_from_mapping
 from shardserver.engine_client import EngineClient
 from shardserver.ids import IdSigner
-from shardserver.messages import SubmitAccepted, SubmitRequest
+from shardserver.messages import Kind, SubmitAccepted, SubmitRequest, decode_request, encode_meta
 from shardserver.shm.arena import ArenaWriter, create_segment, segment_name, unlink_segment
 from shardserver.workers.encoder import EncoderCore
 
@@ -60,13 +60,18 @@ async def measure(pool: int, queued: int, prompt_tokens: int) -> dict[str, float
     total = pool + queued
     bodies = [json.dumps({"model": "m", "prompt": prompt, "n": 1, "max_tokens": 1, "seed": i}).encode()
               for i in range(total)]
+    # SUBMIT messages as a front-end sends them (decoded below, while counting, as the encoder
+    # does: each decode makes its own sid str and digest bytes), 8 sampling sessions.
+    sids = [f"ss-{os.urandom(40).hex()}.{os.urandom(12).hex()}" for _ in range(8)]
+    metas = [encode_meta(SubmitRequest(sid=sids[i % 8], seq=i, n=1, reserve_bytes=64, digest=os.urandom(16)))
+             for i in range(total)]
     marks = []
     try:
         gc.collect()
         tracemalloc.start()
         marks.append(tracemalloc.get_traced_memory()[0])
         for i, body in enumerate(bodies):
-            reply = core.submit(SubmitRequest(sid="bench", seq=i, n=1, reserve_bytes=64), body)
+            reply = core.submit(decode_request(Kind.SUBMIT, metas[i]), body)
             assert isinstance(reply, SubmitAccepted), reply
             if i + 1 == pool:
                 for _ in range(300):  # until every running call connected and sent its request

@@ -54,11 +54,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import heapq
 import itertools
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -98,6 +98,7 @@ from ..messages import (
 from ..metrics import EncoderTimers, ShardCounters
 from ..shm.arena import ArenaWriter, Slot
 from .journal import JOURNAL_DIR, FutureJournal, JournalRecord, JournalUnwritable
+from .ttl import DeadlineBuckets
 
 if TYPE_CHECKING:
     from ..health import EngineProbe
@@ -111,10 +112,11 @@ log = logging.getLogger("shardserver.encoder")
 class FutureEntry:
     """One future in a shard's table.
 
-    While it waits for an engine connection, ``job`` holds what its engine call needs (the
-    request body and the decode parameters); the engine task takes it over when it starts,
-    and nothing holds the body once the engine answered. ``body_bytes`` is the body's size
-    while it is held (counted in ``EncoderCore.pending_request_bytes``).
+    From SUBMIT until the engine answered (or the future left the pending state), ``body``
+    holds the engine request body (its size counted in ``EncoderCore.pending_request_bytes``);
+    ``n`` and ``plp`` are the decode parameters. The
+    entry is all a pending future holds: ~0.9 KB with a 32-token prompt's body
+    (``benchmarks/pending_memory.py``), 131,072 of them in the full soak.
     """
 
     fid: str
@@ -129,10 +131,11 @@ class FutureEntry:
     category: str = ""
     gone_reason: str = ""
     delivered: bool = False
-    waiters: list[asyncio.Future[None]] = field(default_factory=list)
-    task: asyncio.Task[None] | None = None
-    job: tuple | None = None      # (body, sid, n, prompt_logprobs, topk, prompt) while queued
-    body_bytes: int = 0
+    waiters: list[asyncio.Future[None]] | None = None  # held POLLs (a list once one waits)
+    task: asyncio.Task[None] | None = None  # its engine call, once started (None while queued)
+    body: bytes | None = None     # the engine request body while the future is pending
+    n: int = 1                    # num_samples
+    plp: tuple[int, np.ndarray | None] | None = None  # (topk, prompt ids) when prompt logprobs are asked
     owner: str = ""               # the API key's owner tag (per-key shares, auth.key_share)
     charged: int = 0              # arena bytes counted against the owner's share
     stamp: int = 0                # monotonic ns when it left PENDING (its place in the session's log)
@@ -146,8 +149,8 @@ class FutureEntry:
         return None if self.key is None else (self.key[0], self.key[1] // CLONE_SEQ_SPAN)
 
 
-# Superseded or dropped items the TTL heap may hold beyond twice the live futures before it is
-# rebuilt (EncoderCore._set_deadline).
+# Superseded or dropped items the TTL index (workers.ttl.DeadlineBuckets) may hold beyond twice
+# the live futures before it is rebuilt (EncoderCore._set_deadline).
 HEAP_SLACK = 4096
 
 # The SDK numbers a cloned SamplingClient's requests from cloned_sampler_id * 10**9
@@ -229,14 +232,13 @@ class EncoderCore:
         self.reserved_bytes = 0
         self.state_counts: collections.Counter[str] = collections.Counter()
         self.delivered_count = 0  # futures in the table that were delivered at least once
-        self._heap: list[tuple[float, int, str]] = []
-        self._heap_seq = 0
+        self._timers = DeadlineBuckets()  # TTL deadlines (monotonic s) by future ID
         self.counters: collections.Counter[str] = ShardCounters(shard)  # also feeds Prometheus
         self.decode_encode_s = 0.0
         self.timers = EncoderTimers()
         self.engine_probe = engine_probe
         # Engine calls: at most engine.pool_size run at once (one engine connection each); the
-        # other pending futures wait in ``engine_queue`` holding only their FutureEntry and job.
+        # other pending futures wait in ``engine_queue`` holding only their FutureEntry (and body).
         self.max_engine_calls = cfg.engine.pool_size
         self.engine_calls = 0
         # engine.answer_budget_bytes: while the engine answers received and not yet decoded
@@ -267,18 +269,16 @@ class EncoderCore:
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float, now: float | None = None) -> None:
-        """Give ``e`` a new TTL deadline (``now`` + ``ttl`` s, monotonic). The TTL heap keeps the
+        """Give ``e`` a new TTL deadline (``now`` + ``ttl`` s, monotonic). The TTL index keeps the
         superseded items and those of dropped futures until their own deadlines (up to
         ``futures.pending_ttl_s``, an hour): once they outnumber the live ones, it is rebuilt from
         the table, so it never holds more than ``2 × (the most futures the table held) + HEAP_SLACK + 1``
         items."""
         e.deadline = (time.monotonic() if now is None else now) + ttl
-        self._heap_seq += 1
-        heapq.heappush(self._heap, (e.deadline, self._heap_seq, e.fid))
-        if len(self._heap) > 2 * len(self.table) + HEAP_SLACK:
-            self._heap = [(x.deadline, i, x.fid) for i, x in enumerate(self.table.values())]
-            heapq.heapify(self._heap)
-            self._heap_seq = len(self._heap)
+        timers = self._timers
+        timers.add(e.fid, e.deadline)
+        if len(timers) > 2 * len(self.table) + HEAP_SLACK:
+            timers.rebuild((x.fid, x.deadline) for x in self.table.values())
             self.counters["ttl_heap_rebuilds"] += 1
 
     def _set_state(self, e: FutureEntry, state: FutureState) -> None:
@@ -383,8 +383,8 @@ class EncoderCore:
         return n
 
     def _wake(self, e: FutureEntry) -> None:
-        waiters, e.waiters = e.waiters, []
-        for w in waiters:
+        waiters, e.waiters = e.waiters, None
+        for w in waiters or ():
             if not w.done():
                 w.set_result(None)
 
@@ -417,17 +417,20 @@ class EncoderCore:
             self._settle(e.owner, u)
         e.charged = arena_bytes
 
-    def _release_body(self, e: FutureEntry) -> None:
-        if e.job is not None:
-            e.job = None
+    def _release_body(self, e: FutureEntry, queued: bool = True) -> None:
+        """Drop the future's engine request body and its counts (``queued``: False when it was
+        taken out of ``engine_queue`` without an engine call)."""
+        if e.body is None:
+            return
+        size = len(e.body)
+        e.body = e.plp = None
+        if e.task is None and queued:
             self._queue_stale += 1  # it stays in engine_queue until it is skipped or compacted
-        if e.body_bytes:
-            self.pending_request_bytes -= e.body_bytes
-            u = self._usage(e.owner)
-            if u is not None:
-                u.request_bytes -= e.body_bytes
-                self._settle(e.owner, u)
-            e.body_bytes = 0
+        self.pending_request_bytes -= size
+        u = self._usage(e.owner)
+        if u is not None:
+            u.request_bytes -= size
+            self._settle(e.owner, u)
 
     def _left_pending(self, e: FutureEntry) -> None:
         """The future stopped waiting for the engine: its owner has one pending future less."""
@@ -505,7 +508,9 @@ class EncoderCore:
             self.counters["rejected_stopping"] += 1
             return SubmitRefused(reason=RefusalReason.STOPPING, message=(
                 f"shard {self.shard} is shutting down; retry (the gateway's next run takes the request)"))
-        key = (req.sid, req.seq)
+        # One str per session (the SUBMIT decoder makes a new one per message: ~100 bytes each
+        # of up to shards.max_pending futures).
+        key = (sys.intern(req.sid), req.seq)
         fid = self.by_key.get(key)
         if fid is not None and fid in self.table:
             first = self.table[fid].digest
@@ -557,13 +562,14 @@ class EncoderCore:
                 e.journaled = True
             except OSError as exc:
                 self._journal_failed(exc)
-        e.job = (body, req.sid, n, want_plp, topk, prompt_arr)
-        e.body_bytes = len(body)
-        self.pending_request_bytes += e.body_bytes
+        e.body, e.n = body, n
+        if want_plp:
+            e.plp = (topk, prompt_arr)
+        self.pending_request_bytes += len(body)
         u = self._usage(req.owner)
         if u is not None:
             u.pending += 1
-            u.request_bytes += e.body_bytes
+            u.request_bytes += len(body)
         self._charge(e, slot.capacity)
         self.engine_queue.append(e)
         self._start_engine_calls()
@@ -645,25 +651,28 @@ class EncoderCore:
         pool_wait_s = self.cfg.engine.pool_wait_s
         while q and self.engine_calls < self.engine_call_limit and not self._closed:
             e = q.popleft()
-            if e.job is None:  # left the pending state while queued (TTL, close)
+            if e.body is None:  # left the pending state while queued (TTL, close)
                 self._queue_stale -= 1
                 continue
-            job, e.job = e.job, None
             waited = time.monotonic() - e.created
             if waited > pool_wait_s:
                 self.counters["engine_pool_wait_exceeded"] += 1
+                self._release_body(e, queued=False)
                 self._gone(e, f"engine request not sent: no engine connection free within {pool_wait_s:g} s "
                               f"(all engine.pool_size = {self.max_engine_calls} in use; engine.pool_wait_s)")
                 continue
             self.engine_calls += 1
-            e.task = asyncio.get_running_loop().create_task(self._run(e, *job), name=f"engine-call-{e.fid[:16]}")
+            e.task = asyncio.get_running_loop().create_task(self._run(e), name=f"engine-call-{e.fid[:16]}")
         if self._queue_stale > 64 and self._queue_stale * 2 > len(q):
-            self.engine_queue = collections.deque(e for e in q if e.job is not None)
+            self.engine_queue = collections.deque(e for e in q if e.body is not None and e.task is None)
             self._queue_stale = 0
 
-    async def _run(self, e: FutureEntry, body: bytes, sid: str, n: int, want_plp: bool, topk: int,
-                   prompt: np.ndarray | None) -> None:
-        headers = {"X-Session-ID": sid}
+    async def _run(self, e: FutureEntry) -> None:
+        body, n, plp = e.body, e.n, e.plp
+        assert body is not None and e.key is not None
+        want_plp = plp is not None
+        topk, prompt = plp if plp is not None else (0, None)
+        headers = {"X-Session-ID": e.key[0]}
         ids = AttemptIds(e.fid)  # X-Request-Id <fid>-a1, -a2, ... over every attempt of this future
         aborts = 0
         try:
@@ -795,6 +804,8 @@ class EncoderCore:
             if timeout > 0:
                 loop = asyncio.get_running_loop()
                 w: asyncio.Future[None] = loop.create_future()
+                if e.waiters is None:
+                    e.waiters = []
                 e.waiters.append(w)
                 # A timer on the waiter itself (asyncio.wait_for adds a second future and a callback hop).
                 timer = loop.call_later(timeout, _resolve, w, None)
@@ -802,7 +813,7 @@ class EncoderCore:
                     await w
                 finally:
                     timer.cancel()
-                    if w in e.waiters:
+                    if e.waiters is not None and w in e.waiters:
                         e.waiters.remove(w)
         reply = self._answer(e, req.want)
         if e.journaled and isinstance(reply, PollGone):
@@ -939,11 +950,26 @@ class EncoderCore:
         dropped. Returns how many."""
         now = time.monotonic() if now is None else now
         n = 0
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            deadline, _, fid = heapq.heappop(heap)
+        table = self.table
+
+        def deadline_of(fid: str) -> float | None:
+            x = table.get(fid)
+            return None if x is None else x.deadline
+
+        # (a pending future that expires gets futures.completed_ttl_s, which may be due at once)
+        for _ in range(3):
+            due = self._timers.pop_due(now, deadline_of)
+            if not due:
+                break
+            n += self._expire(due, now)
+        return n
+
+    def _expire(self, due: list[str], now: float) -> int:
+        """Expire the futures ``due`` whose deadline is still ``<= now`` (see :meth:`sweep`)."""
+        n = 0
+        for fid in due:
             e = self.table.get(fid)
-            if e is None or e.deadline != deadline:
+            if e is None or e.deadline > now:
                 continue
             n += 1
             if e.state == FutureState.PENDING:

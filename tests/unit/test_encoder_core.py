@@ -333,7 +333,7 @@ def test_ttl_heap_stays_bounded_when_futures_are_acked_and_ttls_still_fire(core,
                 await asyncio.sleep(0.001)
             core.delivered_ok(rid)
             await core.session_poll(_sp(acks=[rid]))
-            assert len(core._heap) <= 2 * 2 + 64 + 1  # the table never held more than 2 futures at a push
+            assert len(core._timers) <= 2 * 2 + 64 + 1  # the table never held more than 2 futures at a push
         assert list(core.table) == [keep] and core.counters["acked"] == 600
         assert core.counters["ttl_heap_rebuilds"] >= 1
         # The kept future's TTL item survived the rebuilds: it expires at its deadline, not before.
@@ -531,3 +531,49 @@ def test_stats_flushes_the_prometheus_counts_kept_since_the_last_flush(core):
     st = core.stats()
     assert st.counters["submitted"] == st.counters["completed"] == 3
     assert [v(n, **ls) - b for (n, ls), b in zip(names, before)] == [3, 3, 3, 3]
+
+
+def test_a_queued_future_holds_its_entry_and_body_only_and_a_pool_wait_miss_frees_them():
+    """What a future waiting for an engine connection holds (issue 12, soak memory): its entry,
+    with the request body and one sid str per session (each SUBMIT is decoded into a str of its
+    own); no waiter list and no job tuple. One that waited past engine.pool_wait_s leaves the
+    queue with its body bytes uncounted (pending_request_bytes back to 0, no stale queue item)."""
+    from shardserver.messages import Kind, decode_request, encode_meta
+
+    name = segment_name(os.getpid(), "c0ffee01", random.randrange(10**6), 0)
+    create_segment(name, 1 << 20)
+    arena = ArenaWriter(name)
+    cfg = config_from_mapping({"shards": {"count": 1}, "engine": {"pool_size": 1, "pool_wait_s": 0.05}}, env={})
+    eng = SimEngine()
+    eng.gate = asyncio.Event()
+    c = EncoderCore(cfg, 0, arena, eng, IdSigner(b"k", "0badcafe"))
+
+    async def go():
+        rids, bodies = [], []
+        for seq in range(3):
+            meta, body = _meta(seq, 10, sid="ss-" + "x" * 60)
+            req = decode_request(Kind.SUBMIT, encode_meta(meta))
+            rids.append(c.submit(req, body).request_id)
+            bodies.append(body)
+        await asyncio.sleep(0)
+        first, second, third = (c.table[r] for r in rids)
+        assert second.key[0] is third.key[0] is first.key[0]
+        assert (second.body is bodies[1], second.task, second.waiters, second.plp) == (True, None, None, None)
+        assert first.task is not None and c.engine_calls == 1 and len(c.engine_queue) == 2
+        assert c.pending_request_bytes == sum(map(len, bodies))
+        await asyncio.sleep(0.1)  # the two queued ones now waited past engine.pool_wait_s
+        eng.gate.set()
+        for _ in range(100):
+            if first.state == "done":
+                break
+            await asyncio.sleep(0.01)
+        assert [c.table[r].state for r in rids] == ["done", "gone", "gone"]
+        assert c.counters["engine_pool_wait_exceeded"] == 2
+        assert (c.pending_request_bytes, c._queue_stale, len(c.engine_queue)) == (0, 0, 0)
+        assert all(c.table[r].body is None for r in rids)
+
+    try:
+        asyncio.run(go())
+    finally:
+        arena.close()
+        unlink_segment(name)
