@@ -20,6 +20,7 @@ import gc
 import json
 import os
 import random
+import sys
 import tracemalloc
 
 from shardserver.config import config_from_mapping
@@ -30,24 +31,36 @@ from shardserver.shm.arena import ArenaWriter, create_segment, segment_name, unl
 from shardserver.workers.encoder import EncoderCore
 
 
-_REQUESTS_READ = [0]
-
-
-async def _hung_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Read the request and never answer."""
+# An engine that reads each request and never answers; prints its port, then (on stderr) how
+# many request heads it read so far, one line per request. Ends with its parent's kill.
+_ENGINE_CHILD = """
+import asyncio, sys
+n = 0
+async def serve(reader, writer):
+    global n
     try:
-        await reader.readuntil(b"\r\n\r\n")
-        _REQUESTS_READ[0] += 1
+        await reader.readuntil(b"\\r\\n\\r\\n")
+        n += 1
+        print(n, file=sys.stderr, flush=True)
         while await reader.read(1 << 20):
             pass
-    except (ConnectionError, asyncio.CancelledError):
+    except (ConnectionError, asyncio.CancelledError, asyncio.IncompleteReadError):
         pass
+async def main():
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0, backlog=4096)
+    print(srv.sockets[0].getsockname()[1], flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
 
 
 async def measure(pool: int, queued: int, prompt_tokens: int) -> dict[str, float]:
     """Bytes held per running and per queued pending future (see the module docstring)."""
-    srv = await asyncio.start_server(_hung_engine, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
+    # The hung engine runs in a process of its own: only the encoder's side is counted.
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _ENGINE_CHILD, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert child.stdout is not None and child.stderr is not None
+    port = int(await asyncio.wait_for(child.stdout.readline(), 30))
     name = segment_name(os.getpid(), "be0c0000", random.randrange(10**6), 0)
     create_segment(name, 64 << 20)
     arena = ArenaWriter(name)
@@ -74,10 +87,9 @@ async def measure(pool: int, queued: int, prompt_tokens: int) -> dict[str, float
             reply = core.submit(decode_request(Kind.SUBMIT, metas[i]), body)
             assert isinstance(reply, SubmitAccepted), reply
             if i + 1 == pool:
-                for _ in range(300):  # until every running call connected and sent its request
-                    if _REQUESTS_READ[0] >= pool:
+                for _ in range(pool):  # until every running call connected and sent its request
+                    if int((await asyncio.wait_for(child.stderr.readline(), 30)) or 0) >= pool:
                         break
-                    await asyncio.sleep(0.05)
                 await asyncio.sleep(0.5)
                 gc.collect()
                 marks.append(tracemalloc.get_traced_memory()[0])
@@ -92,7 +104,8 @@ async def measure(pool: int, queued: int, prompt_tokens: int) -> dict[str, float
         await engine.close()
         arena.close()
         unlink_segment(name)
-        srv.close()
+        child.kill()
+        await child.wait()
     return {"body_bytes": sum(map(len, bodies)) / total, "running": (marks[1] - marks[0]) / pool,
             "queued": (marks[2] - marks[1]) / queued}
 

@@ -243,7 +243,16 @@ class _Exchange:
 
 
 class _Connection(asyncio.BufferedProtocol):
-    """One keep-alive connection to the engine; carries one exchange at a time."""
+    """One keep-alive connection to the engine; carries one exchange at a time.
+
+    Up to ``engine.pool_size`` of them wait on the engine at once (2048 per encoder in the
+    soak), so a connection holds little while it waits: no ``__dict__``, no parser until the
+    first byte of its answer (``parser``), no read-idle timer until its header section arrived
+    (``_Exchange.watch``).
+    """
+
+    __slots__ = ("pool", "transport", "closed", "requests", "idle_since", "x", "parser", "head_view",
+                 "body_view", "head_bytes", "dirty")
 
     def __init__(self, pool: "EnginePool") -> None:
         self.pool = pool
@@ -305,7 +314,11 @@ class _Connection(asyncio.BufferedProtocol):
                     raise BadResponse(f"answer header section over {MAX_HEAD_BYTES} bytes")
                 self.head_bytes += nbytes
             direct = x.direct
-            self.parser.feed_data(self.head_view[:nbytes])  # type: ignore[union-attr]
+            p = self.parser
+            if p is None:  # the answer's first byte
+                p = self.parser = httptools.HttpResponseParser(self)
+                p.set_dangerous_leniencies(**_LENIENCIES)
+            p.feed_data(self.head_view[:nbytes])
             if x.direct and not direct and x.got and not x.paused:
                 # Admitted within this read: the body bytes that came with the header section
                 # were counted with the read and again in the body's reservation.
@@ -415,6 +428,11 @@ class _Connection(asyncio.BufferedProtocol):
             # arrived with the header section collects in x.body meanwhile)
         if status in (204, 304):
             x.length = 0
+        pool = self.pool
+        if pool.read_idle_s > 0 and x.watch is None:
+            # Judged from here on (EnginePool._watch): no byte for read_idle_s fails the exchange.
+            x.watch = asyncio.get_running_loop().call_later(
+                pool.read_idle_s, pool._watch, self, x, -1 if x.paused else x.received)
 
     def on_body(self, data: bytes) -> None:
         x = self.x
@@ -895,8 +913,7 @@ class EnginePool:
         loop = asyncio.get_running_loop()
         x = _Exchange(loop.create_future(), limit)
         conn.x = x
-        conn.parser = httptools.HttpResponseParser(conn)
-        conn.parser.set_dangerous_leniencies(**_LENIENCIES)
+        conn.parser = None  # made when the answer's first byte arrives (buffer_updated)
         conn.head_bytes = 0
         try:
             try:
@@ -905,10 +922,9 @@ class EnginePool:
                     conn.transport.write(body)
             except (RuntimeError, OSError) as exc:  # a transport closed under us
                 raise Broken(str(exc) or type(exc).__name__, answered=False, reused=reused) from None
+            del head, lines, length  # (not held while the answer is awaited)
             if conn.closed and not x.waiter.done():
                 raise Broken("the engine closed the connection", answered=False, reused=reused)
-            if self.read_idle_s > 0:
-                x.watch = loop.call_later(self.read_idle_s, self._watch, conn, x, -1)
             try:
                 await x.waiter
             finally:

@@ -658,6 +658,26 @@ def test_an_answer_that_goes_silent_after_its_header_section_is_a_broken_connect
     run(main())
 
 
+def test_a_connection_waiting_for_its_answer_holds_no_parser_and_no_timer() -> None:
+    """Up to engine.pool_size engine calls wait on the engine at once (2048 per encoder in the
+    soak, each for the engine's whole queueing time): until the first byte of the answer the
+    connection holds no httptools parser (~850 B) and no read-idle timer (~600 B), and it has
+    no ``__dict__``. Both are made when the answer comes, and the answer is exact."""
+    raw = ok()
+
+    async def main() -> None:
+        async with Script([[b""] * 30 + [raw]]) as s:
+            pool, held = pool_for(s.url, read_idle_s=0.25)
+            call = asyncio.ensure_future(pool.post(b"{}", {}, limit=1 << 20))
+            await asyncio.sleep(0.15)
+            (conn,) = pool._all
+            assert (conn.parser, conn.x.watch, hasattr(conn, "__dict__")) == (None, None, False)
+            status, body, _ = await call
+            assert (status, bytes(body)) == (200, BODY) and conn.parser is None
+            await pool.close()
+    run(main())
+
+
 BIG = b'{"choices":[{"index":0,"token_ids":[' + b",".join(b"%d" % (i % 50000) for i in range(180_000)) + b"]}]}"
 
 
