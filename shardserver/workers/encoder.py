@@ -25,7 +25,7 @@ Pending futures are bounded per shard: ``shards.max_pending`` futures and
 ``shards.max_pending_request_bytes`` of engine request bodies, beyond which
 SUBMIT is refused (429). At most ``engine.pool_size`` engine calls run at
 once; the other pending futures wait in a queue holding only their entry and
-their request body (about 1 KB besides the body), not a task. One that
+their request body (~0.7 KB besides the body; benchmarks/pending_memory.py), not a task. One that
 waited longer than ``engine.pool_wait_s`` is not sent when its turn comes: it
 answers 410 and the SDK resubmits it.
 
