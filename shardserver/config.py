@@ -45,6 +45,11 @@ __all__ = [
 ]
 
 ENV_PREFIX = "SHARDSERVER_"
+# engine.receive_buffer_bytes = -1: SO_RCVBUF of each http:// engine connection is this share of
+# engine.pool_size (so an encoder's engine sockets hold at most 2 x 128 MiB of kernel memory),
+# within RECEIVE_BUFFER_RANGE (bytes).
+RECEIVE_BUFFERS_PER_ENCODER = 128 << 20
+RECEIVE_BUFFER_RANGE = (64 << 10, 1 << 20)
 MiB = 1024 * 1024
 
 
@@ -169,6 +174,16 @@ class EngineConfig:
     # in soak-131k mid-size, CPU per result unchanged; benchmarks/README_load.md), 64 MiB for https://
     # (where it holds engine calls back instead). See answer_budget().
     answer_budget_bytes: int = -1
+    # SO_RCVBUF of each http:// engine connection (bytes; the kernel accounts twice that); 0:
+    # the kernel's autotuning; -1 (the default): 128 MiB / pool_size within 64 KiB .. 1 MiB
+    # (256 KiB at the default pool_size; see receive_buffer()). An answer waiting unread for room in answer_budget_bytes sits in
+    # its socket: with autotuning each such socket took up to a whole answer (~0.65 MB for 8k
+    # tokens) of kernel memory, and 2 x 2048 of them (soak-131k) took the host's TCP memory
+    # past net.ipv4.tcp_mem's pressure mark (1.7 GB): the kernel then dropped segments on
+    # loopback and the engine's retransmission timeouts backed off to a minute, so answers
+    # stopped coming for minutes. Bounded, waiting answers hold at most 2 x this each, and the
+    # engine keeps the rest in its own send buffers (where vLLM keeps the answer anyway).
+    receive_buffer_bytes: int = -1
     # Longest wait for one of the pool_size connections; then the future answers 410 (the request
     # never reached the engine) and the SDK resubmits it.
     pool_wait_s: float = 1800.0
@@ -214,6 +229,9 @@ class EngineConfig:
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
         _check(self.read_idle_timeout_s, "engine.read_idle_timeout_s", self.read_idle_timeout_s >= 0, "must be >= 0")
         _check(self.pool_size, "engine.pool_size", self.pool_size >= 1, "must be >= 1")
+        _check(self.receive_buffer_bytes, "engine.receive_buffer_bytes",
+               self.receive_buffer_bytes in (-1, 0) or 4096 <= self.receive_buffer_bytes <= 1 << 30,
+               "must be -1 (128 MiB / engine.pool_size), 0 (the kernel's autotuning) or 4096 .. 1073741824")
         _check(self.answer_budget_bytes, "engine.answer_budget_bytes", self.answer_budget_bytes >= -1,
                "must be >= 0, or -1 (16 MiB for http://, 64 MiB for https:// engines)")
         _check(self.pool_wait_s, "engine.pool_wait_s", self.pool_wait_s > 0, "must be > 0")
@@ -232,6 +250,15 @@ class EngineConfig:
         if self.answer_budget_bytes >= 0:
             return self.answer_budget_bytes
         return (16 if urlsplit(url).scheme == "http" else 64) * 1024 * 1024  # as EngineClient.start
+
+    def receive_buffer(self) -> int:
+        """``receive_buffer_bytes`` in effect (bytes; 0: the kernel's autotuning): the configured
+        value, or for -1 ``RECEIVE_BUFFERS_PER_ENCODER / pool_size`` (a multiple of 4 KiB) within
+        ``RECEIVE_BUFFER_RANGE``: 256 KiB for 512 connections, 64 KiB for 2048."""
+        if self.receive_buffer_bytes >= 0:
+            return self.receive_buffer_bytes
+        lo, hi = RECEIVE_BUFFER_RANGE
+        return max(lo, min(hi, RECEIVE_BUFFERS_PER_ENCODER // self.pool_size // 4096 * 4096))
 
 
 @dataclass(frozen=True, slots=True)

@@ -266,7 +266,8 @@ class EngineClient:
                                     idle_s=self.cfg.pool_idle_s, on_bytes=self._add_unclaimed,
                                     keep_buffer_bytes=keep, counters=self.counters,
                                     read_idle_s=self.cfg.read_idle_timeout_s,
-                                    budget_bytes=budget, held=lambda: self.answer_bytes)
+                                    budget_bytes=budget, held=lambda: self.answer_bytes,
+                                    receive_buffer_bytes=self.cfg.receive_buffer())
             return
         from .engine_https import HttpsTransport
 

@@ -649,6 +649,10 @@ class EnginePool:
         counters: passed to :class:`BodyBuffers`.
         dns_ttl_s: a host name (not an IP literal) is resolved at most once per this many
             seconds (``loop.getaddrinfo``), not for every new connection (seconds).
+        receive_buffer_bytes: ``SO_RCVBUF`` of each connection, set once it is open (bytes; the
+            kernel accounts twice that); 0: the kernel's autotuning (up to ``net.ipv4.tcp_rmem``'s
+            maximum, 32 MiB on some hosts). Bounds the kernel memory an answer waiting unread
+            for room in ``budget_bytes`` holds on this side: see ``engine.receive_buffer_bytes``.
 
     Not thread-safe; one per event loop.
     """
@@ -657,7 +661,7 @@ class EnginePool:
                  on_bytes: Callable[[int], None] | None = None, keep_buffer_bytes: int = 64 << 20,
                  counters: MutableMapping[str, int] | None = None, read_idle_s: float = 0.0,
                  budget_bytes: int = 0, held: Callable[[], int] | None = None,
-                 dns_ttl_s: float = 10.0) -> None:
+                 dns_ttl_s: float = 10.0, receive_buffer_bytes: int = 0) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"EnginePool needs an http:// URL with a host, got scheme {parts.scheme!r}")
@@ -671,6 +675,7 @@ class EnginePool:
             cred = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode("latin-1")
             self.auth = "Basic " + base64.b64encode(cred).decode("ascii")
         self.connect_timeout_s = connect_timeout_s
+        self.receive_buffer_bytes = receive_buffer_bytes
         self.idle_s = idle_s
         self.read_idle_s = read_idle_s
         self.on_bytes: Callable[[int], None] = on_bytes or (lambda n: None)
@@ -838,6 +843,12 @@ class EnginePool:
                                 f"(engine.connect_timeout_s)") from None
         except OSError as exc:
             raise ConnectFailed(str(exc) or type(exc).__name__) from None
+        if self.receive_buffer_bytes:
+            try:
+                conn.transport.get_extra_info("socket").setsockopt(  # type: ignore[union-attr]
+                    socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer_bytes)
+            except (OSError, AttributeError):  # (a transport without a socket: nothing to bound)
+                pass
         self._all.add(conn)
         return conn
 

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import email.utils
 import gzip
+import socket
 import time
 import zlib
 from typing import Any
@@ -732,6 +733,64 @@ def test_answers_past_the_budget_wait_unread_in_their_sockets_until_room() -> No
             assert held[0] == 0
             await pool.close()
     run(main())
+
+
+def _unread_bytes(conn: Any) -> int:
+    """Bytes the kernel holds received and unread on ``conn``'s socket (SIOCINQ)."""
+    import fcntl
+    import struct
+    import termios
+
+    fd = conn.transport.get_extra_info("socket").fileno()
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_an_answer_waiting_for_room_holds_at_most_its_receive_buffer_in_the_kernel() -> None:
+    """soak-131k stalled for minutes (3 runs of 5): 2 x 2023 answers waited unread for room in
+    the budget, each autotuned socket holding up to the whole ~0.65 MB answer in the kernel; past
+    net.ipv4.tcp_mem's pressure mark (1.7 GB of TCP memory) the kernel dropped segments on
+    loopback and the engine's retransmission timeouts backed off to ~1 min. With
+    ``receive_buffer_bytes`` each socket is bounded (SO_RCVBUF, accounted twice by the kernel):
+    a 4 MB answer waiting for room leaves at most that in our kernel, the rest stays with the
+    engine, and it still arrives exact once admitted."""
+    huge = b'{"choices":[{"index":0,"token_ids":[' + b",".join(b"%d" % (i % 50000) for i in range(700_000)) + b"]}]}"
+    assert len(huge) > 4_000_000
+
+    async def main() -> None:
+        async with Script([ok(huge)] * 2) as s:
+            pool, held = budget_pool(s.url, budget=1_500_000, receive_buffer_bytes=65536)
+            status, first, _ = await pool.post(b"{}", {}, limit=1 << 24)
+            held[0] += len(first)
+            second = asyncio.create_task(pool.post(b"{}", {}, limit=1 << 24))
+            await asyncio.sleep(0.5)
+            (conn,) = [c for c in pool._all if c.x is not None]
+            assert conn.x.paused and pool.waiting == 1
+            sock = conn.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * 65536
+            assert conn.x.got + _unread_bytes(conn) <= 2 * 65536  # (before: up to the whole 4 MB)
+            held[0] -= len(first)
+            pool.recycle(first)
+            pool.wake()
+            status, body, _ = await asyncio.wait_for(second, 10)
+            assert (status, bytes(body)) == (200, huge) and pool.waiting == 0
+            pool.recycle(body)
+            await pool.close()
+    run(main())
+
+
+def test_engine_receive_buffer_follows_the_pool_size_unless_set() -> None:
+    """engine.receive_buffer_bytes = -1: 128 MiB / pool_size within 64 KiB .. 1 MiB, so an
+    encoder's engine sockets hold at most 2 x 128 MiB of kernel memory; 0 keeps autotuning."""
+    from shardserver.config import config_from_mapping
+    from shardserver.errors import ConfigError
+
+    def rcv(**engine: Any) -> int:
+        return config_from_mapping({"engine": engine}, env={}).engine.receive_buffer()
+
+    assert [rcv(pool_size=p) for p in (1, 128, 512, 2048, 8192)] == [1 << 20, 1 << 20, 256 << 10, 64 << 10, 64 << 10]
+    assert (rcv(receive_buffer_bytes=0), rcv(receive_buffer_bytes=100_000)) == (0, 100_000)
+    with pytest.raises(ConfigError, match="engine.receive_buffer_bytes"):
+        rcv(receive_buffer_bytes=100)
 
 
 def test_a_waiting_answer_is_not_taken_for_a_silent_connection_and_can_be_cancelled() -> None:
