@@ -73,6 +73,7 @@ import email.utils
 import json
 import logging
 import random
+import re
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, MutableMapping
 from urllib.parse import urlsplit
@@ -194,6 +195,29 @@ class AttemptIds:
         """The id for the next attempt (``str``; counts attempts from 1)."""
         self.count += 1
         return f"{self.future_id}-a{self.count}"
+
+
+# The top-level "id" of an engine answer, when the body starts with it (vLLM's and the simulator's
+# do: CompletionResponse's first field), read from its first bytes only.
+_ANSWER_ID_RE = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([!#-\[\]-~]{1,256})"')
+# An id vLLM made from one of our X-Request-Ids ("cmpl-" + <future id>-a<N>, spec §2).
+_OUR_ANSWER_ID_RE = re.compile(rb"cmpl-f[0-9a-f]{8}-(?:[a-z0-9]{1,16}-)?[0-9a-f]{32}-[0-9a-f]{16}-a[0-9]{1,9}")
+
+
+def answer_of_another_request(data: bytes | memoryview, request_id: str) -> bytes | None:
+    """The id of a 2xx engine answer when it names another of this gateway's requests than
+    ``request_id`` (the ``X-Request-Id`` it was sent with), else None.
+
+    vLLM answers ``"id": "cmpl-" + X-Request-Id``. Answers are matched to requests by their
+    order on a keep-alive connection, so an answer sent twice (by the engine or a proxy in
+    between) would be taken as the next request's, and that sample would carry another prompt's
+    tokens. An engine that does not echo the header (any id not of our form) is not judged.
+    """
+    m = _ANSWER_ID_RE.match(bytes(data[:512]))
+    if m is None or not _OUR_ANSWER_ID_RE.fullmatch(m.group(1)):
+        return None
+    got = m.group(1)
+    return None if got == b"cmpl-" + request_id.encode() else got
 
 
 class _Broken(Exception):
@@ -357,25 +381,40 @@ class EngineClient:
             else:
                 if status < 300:
                     self._answered()
-                    return data
-                if status < 400:
+                    sent = hdrs.get("X-Request-Id")
+                    other = answer_of_another_request(data, sent) if sent else None
+                    if other is None:
+                        return data
+                    self.release(data)
+                    del data
+                    self.counters["engine_answers_of_another_request"] += 1
+                    log.warning("engine at %s answered request %s with the answer of %s (sent twice by the engine "
+                                "or a proxy, on a %s connection); sending the request again on a new connection",
+                                self.display_url, sent, other.decode(), "fresh" if fresh else "reused")
+                    if not fresh:
+                        fresh = True
+                        continue
+                    reason = f"the engine's answer is that of another request ({other.decode()})"
+                    status = None
+                elif status < 400:
                     self._answered()  # the engine (or a proxy) is up: this answer is final
                     raise EngineError(redirect_message(status, meta.get("location")), status=status,
                                       category="server")
-                reason = engine_error_message(status, data)
-                if not (engine_did_not_answer(status, data) or (status >= 500 and cfg.retry_5xx)):
-                    self._answered()  # the engine is up: this answer is final
-                    # vLLM reports its own NaN-serialization failure as a 400 although the request
-                    # was fine (spec §4, §8.1); a 404 in FastAPI's own shape ({"detail": "Not Found"})
-                    # is a wrong engine path, ours.
-                    wrong_path = status in (404, 405) and data[:11] == b'{"detail":"'
-                    # vLLM's 4xx carry its JSON error envelope; an HTML, plain-text or empty 4xx
-                    # comes from a proxy or router in between (nginx's 413 for a large body, a
-                    # router refusing the gateway's JSON): the deployment's fault, not the user's.
-                    from_vllm = data.lstrip()[:1] == b"{"
-                    user = (400 <= status < 500 and _NAN_MARK not in reason and not wrong_path and from_vllm
-                            and status not in _CREDENTIAL_STATUSES)
-                    raise EngineError(reason, status=status, category="user" if user else "server")
+                else:
+                    reason = engine_error_message(status, data)
+                    if not (engine_did_not_answer(status, data) or (status >= 500 and cfg.retry_5xx)):
+                        self._answered()  # the engine is up: this answer is final
+                        # vLLM reports its own NaN-serialization failure as a 400 although the request
+                        # was fine (spec §4, §8.1); a 404 in FastAPI's own shape ({"detail": "Not Found"})
+                        # is a wrong engine path, ours.
+                        wrong_path = status in (404, 405) and data[:11] == b'{"detail":"'
+                        # vLLM's 4xx carry its JSON error envelope; an HTML, plain-text or empty 4xx
+                        # comes from a proxy or router in between (nginx's 413 for a large body, a
+                        # router refusing the gateway's JSON): the deployment's fault, not the user's.
+                        from_vllm = data.lstrip()[:1] == b"{"
+                        user = (400 <= status < 500 and _NAN_MARK not in reason and not wrong_path and from_vllm
+                                and status not in _CREDENTIAL_STATUSES)
+                        raise EngineError(reason, status=status, category="user" if user else "server")
             # Not answered: re-forward with backoff while the budget lasts.
             now = time.monotonic()
             if first_failure is None:

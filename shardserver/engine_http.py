@@ -338,6 +338,13 @@ class _Connection(asyncio.BufferedProtocol):
                 self._fail(inner)
             elif x.complete:  # bytes after a complete answer: the answer stands
                 self.dirty = True
+            elif self.requests > 1 and not x.headers_done and not x.interim:
+                # Garbage where a reused connection's next answer should start: bytes left over
+                # from the previous answer (a proxy that under-stated its Content-Length), not
+                # this request's answer. Sent again on a fresh connection; the same garbage
+                # there is final.
+                self._fail(Broken(f"bytes that start no HTTP/1.1 answer on a reused connection ({exc})",
+                                  answered=False, reused=True))
             else:
                 self._fail(BadResponse(f"not an HTTP/1.1 answer: {exc}"))
         except (BodyTooLarge, BadResponse) as exc:

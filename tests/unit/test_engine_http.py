@@ -636,6 +636,65 @@ def test_reforwarded_answer_waits_as_long_as_its_retry_after_asks_within_the_bud
     run(main())
 
 
+FID1 = "f0badcafe-h0-" + "1" * 32 + "-" + "a" * 16
+FID2 = "f0badcafe-h0-" + "2" * 32 + "-" + "b" * 16
+
+
+def answer_for(request_id: str) -> bytes:
+    """A 200 whose body carries vLLM's id for ``request_id`` (``"cmpl-" + X-Request-Id``)."""
+    return ok(b'{"id":"cmpl-%s","object":"text_completion","choices":[]}' % request_id.encode())
+
+
+def test_an_answer_sent_twice_is_not_taken_for_the_next_requests_answer() -> None:
+    """An engine or proxy that sends one answer twice on a keep-alive connection: the copy
+    arrives right after the next request went out on that connection, and was taken as its
+    answer (that sample got another prompt's tokens). vLLM answers ``"id": "cmpl-" +
+    X-Request-Id``: an answer naming another of our requests is dropped and the request goes
+    again on a new connection (tester's desync.py, duplicate)."""
+    from shardserver.engine_client import AttemptIds
+
+    async def main() -> None:
+        first, copy_then_second, again = (answer_for(f"{FID1}-a1"), answer_for(f"{FID1}-a1") + answer_for(f"{FID2}-a1"),
+                                          answer_for(f"{FID2}-a2"))
+        async with Script([first, copy_then_second, again]) as s:
+            client = EngineClient(EngineConfig(), s.url)
+            await client.start()
+            data = await client.post(b"{}", {}, ids=AttemptIds(FID1))
+            assert bytes(data) == first.split(b"\r\n\r\n", 1)[1]
+            client.release(data)
+            data = await client.post(b"{}", {}, ids=AttemptIds(FID2))
+            assert bytes(data) == again.split(b"\r\n\r\n", 1)[1]  # (before: FID1's answer)
+            client.release(data)
+            assert client.counters["engine_answers_of_another_request"] == 1
+            assert [c for c, _, _ in s.requests] == [0, 0, 1]  # the third on a new connection
+            assert client.answer_bytes == 0
+            await client.close()
+    run(main())
+
+
+def test_garbage_where_a_reused_connections_answer_should_start_sends_the_request_again() -> None:
+    """Bytes left over on a keep-alive connection (a proxy that under-stated a Content-Length)
+    come before the next answer: that request was failed for good ("not an HTTP/1.1 answer",
+    category server). Now it goes again on a new connection; garbage on a fresh one stays final."""
+    garbage = b"  \n  trailing bytes of the previous body}\r\n"
+
+    async def main() -> None:
+        async with Script([ok(), garbage + ok(), ok(), garbage + ok()]) as s:
+            client = EngineClient(EngineConfig(), s.url)
+            await client.start()
+            for _ in range(2):
+                data = await client.post(b"{}", {})
+                assert bytes(data) == BODY
+                client.release(data)
+            assert client.counters["engine_keepalive_retries"] == 1
+            assert [c for c, _, _ in s.requests] == [0, 0, 1]
+            client._pool._idle.clear()  # the next request opens a fresh connection: garbage there is final
+            with pytest.raises(EngineError, match="not an HTTP/1.1 answer"):
+                await client.post(b"{}", {})
+            await client.close()
+    run(main())
+
+
 def test_an_answer_that_goes_silent_after_its_header_section_is_a_broken_connection() -> None:
     """A partition or a hung proxy mid-answer: the header section and part of the body arrive,
     then nothing, with the connection still open. Before: only engine.timeout_s (900 s) ended
