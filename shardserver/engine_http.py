@@ -11,8 +11,10 @@ answer), the event loop reads the rest of the body directly into a ``bytearray``
 that size, which the decoder parses as is. One copy, from the kernel.
 
 Everything else HTTP allows still works, on a slower path: ``Transfer-Encoding: chunked``,
-bodies delimited by the connection closing, ``Content-Encoding: gzip``/``deflate`` (offered in
-``Accept-Encoding``, like aiohttp's client; every member of a concatenated body), interim ``1xx``
+bodies delimited by the connection closing, ``Content-Encoding: gzip``/``deflate`` (decoded when an
+engine or proxy sends it anyway; every member of a concatenated body; the gateway asks for
+``Accept-Encoding: identity``, since only an identity body with a ``Content-Length`` is held to
+``engine.answer_budget_bytes`` before it is read), interim ``1xx``
 responses. The header section is parsed by ``httptools`` (llhttp, the parser uvicorn and aiohttp
 use), with the leniencies aiohttp's client parser allows (bare LF line ends, lax header lines,
 spaces after a chunk size).
@@ -912,7 +914,7 @@ class EnginePool:
             raise ConnectFailed("the engine client is closed")
         length = "" if method == "GET" and not body else f"Content-Length: {len(body)}\r\n"
         lines = [f"{method} {target or self.target} HTTP/1.1\r\nHost: {self.host_header}\r\n"
-                 f"Accept: */*\r\nAccept-Encoding: gzip, deflate\r\n{length}"]
+                 f"Accept: */*\r\nAccept-Encoding: identity\r\n{length}"]
         if fresh:
             lines.append("Connection: close\r\n")
         if self.auth is not None and not any(k.lower() == "authorization" for k in headers):
