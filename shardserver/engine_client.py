@@ -95,11 +95,14 @@ _NAN_MARK = "Out of range float values are not JSON compliant"
 # timeout (408), vLLM admission control or a router without workers (503) (spec §8.2, §11.12).
 NEVER_RAN_STATUSES = (408, 429, 503)
 # What a proxy or router between the gateway and vLLM answers when the engine did not: 502 from
-# nginx/an ingress/HAProxy (vLLM itself never answers 502), and vllm-router's 500 wrapping a
+# nginx/an ingress/HAProxy, 504 when its connection to the engine timed out (an AWS ALB or
+# ingress-nginx while the engine's pod restarts; also when a generation outlasts the proxy's read
+# timeout: keep that above engine.timeout_s, or such samples are re-sent until
+# engine.unavailable_budget_s) -- vLLM itself never answers either --, and vllm-router's 500 wrapping a
 # failure to reach its worker or to read the worker's body (spec §8.2) -- the transport failures
 # the gateway re-forwards when it meets them itself. vLLM's own 500 (its JSON error envelope,
 # e.g. a GenerationError) stays final.
-_PROXY_STATUSES = (502,)
+_PROXY_STATUSES = (502, 504)
 # Statuses about the gateway's own credentials, never about a sample: vLLM's ``--api-key``
 # middleware answers 401 ``{"error":"Unauthorized"}`` (JSON, like its errors for a bad parameter),
 # an ingress or auth proxy 401, 403 or 407. The deployment is at fault: category server.
@@ -109,7 +112,7 @@ _ROUTER_TRANSPORT_500 = (b"Request failed: ", b"Failed to get response body")
 
 def engine_did_not_answer(status: int, body: bytes) -> bool:
     """Whether an HTTP error status means the engine itself never answered the request (so it
-    is re-forwarded within ``engine.unavailable_budget_s``): :data:`NEVER_RAN_STATUSES`, a 502, or
+    is re-forwarded within ``engine.unavailable_budget_s``): :data:`NEVER_RAN_STATUSES`, a 502 or 504, or
     vllm-router's plain-text 500 for a worker it could not reach or read (``body`` starts with
     ``Request failed: `` or ``Failed to get response body``)."""
     return (status in NEVER_RAN_STATUSES or status in _PROXY_STATUSES
