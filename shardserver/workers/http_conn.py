@@ -265,6 +265,17 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._listener.not_idle(self)
         self.idle_since = 0.0
         super().connection_lost(exc)
+        # uvicorn cancels its keep-alive timer only for a connection closed cleanly (exc None):
+        # one reset by its client (SO_LINGER 0, as HAProxy's health checks close) stayed
+        # referenced by the timer, ~11.5 KB each, for server.keep_alive_s.
+        self._unset_keepalive_if_required()
+        # The protocol and its last request's scope reference each other (the scope carries
+        # CONNECTION_SCOPE_KEY and the bound WAIT_WRITTEN_SCOPE_KEY): with these links kept, a
+        # closed connection's objects (~9 KB) waited for the cyclic GC, which a front-end runs
+        # rarely (GC_THRESHOLD), and churning clients piled them up (tests/e2e/
+        # test_frontend_slow_clients.py). A request still running keeps its own cycle and scope.
+        self.cycle = None  # type: ignore[assignment]
+        self.scope = None  # type: ignore[assignment]
         CONNECTIONS_OPEN.dec()
         if self._listener is not None:
             self._listener.released(self)
