@@ -134,6 +134,10 @@ class SubmitRequest(_Message, kw_only=True):
         digest: 16-byte BLAKE2b of the canonical request (:func:`shardserver.api.sampling.request_digest`);
             a resubmission of ``(sid, seq)`` with another digest is refused (CONFLICT) instead of
             answered with the first request's future. Empty: not compared.
+        fill_context: the client left ``max_tokens`` unset and the body's ``max_tokens`` is the
+            gateway's (the context window it knew, less the prompt): when the engine refuses it
+            for its context length (a restart with a smaller ``--max-model-len``), the encoder
+            sends it again with the window the engine names.
     """
 
     sid: str
@@ -145,6 +149,7 @@ class SubmitRequest(_Message, kw_only=True):
     reserve_bytes: int
     prompt: list[int] | None = None
     digest: bytes = b""
+    fill_context: bool = False
 
 
 class PollRequest(_Message, kw_only=True):

@@ -327,6 +327,7 @@ async def asample(request: Request) -> JSONResponse:
     shard = shard_of(key, cfg.shards.count)
     submit = SubmitRequest(sid=req.sampling_session_id, seq=seq, owner=owner_of(request), n=n,
                            prompt_logprobs=want_plp, topk=topk, reserve_bytes=reserve,
+                           fill_context=sp.max_tokens is None,
                            prompt=tokens if want_plp else None,
                            digest=request_digest(body, max_tokens if sp.max_tokens is None else None))
     return await _submit(ctx, shard, submit, body, n)

@@ -55,8 +55,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -136,6 +138,7 @@ class FutureEntry:
     body: bytes | None = None     # the engine request body while the future is pending
     n: int = 1                    # num_samples
     plp: tuple[int, np.ndarray | None] | None = None  # (topk, prompt ids) when prompt logprobs are asked
+    fill: bool = False            # SubmitRequest.fill_context: the body's max_tokens is the gateway's
     owner: str = ""               # the API key's owner tag (per-key shares, auth.key_share)
     charged: int = 0              # arena bytes counted against the owner's share
     stamp: int = 0                # monotonic ns when it left PENDING (its place in the session's log)
@@ -167,6 +170,28 @@ LIMIT_GROW_EVERY = 4
 # Receive buffers (shardserver.engine_http.BodyBuffers) no engine answer used for this long
 # (seconds) are freed at the next sweep.
 BUFFER_IDLE_S = 10.0
+
+
+# vLLM's refusal of prompt + max_tokens over its context window (vllm serving_engine's
+# _validate_input; spec §1): "This model's maximum context length is 2048 tokens. However, ...".
+_CONTEXT_WINDOW_RE = re.compile(r"maximum context length is (\d+) tokens")
+
+
+def refit_to_window(body: bytes, exc: EngineError) -> bytes | None:
+    """The engine request ``body`` again with ``max_tokens`` = the context window the engine's 400
+    ``exc`` names less the prompt's length, or None when ``exc`` is not such a refusal or that
+    would not leave ``max_tokens`` >= 1 below the body's. Only for a body whose ``max_tokens``
+    the gateway chose (the client left it unset: up to the end of the context), whose window went
+    stale when the engine restarted with a smaller ``--max-model-len``."""
+    m = _CONTEXT_WINDOW_RE.search(str(exc)) if exc.status == 400 else None
+    if m is None:
+        return None
+    req = json.loads(body)
+    fitted = int(m.group(1)) - len(req.get("prompt") or ())
+    if not 1 <= fitted < req.get("max_tokens", 0):
+        return None
+    req["max_tokens"] = fitted
+    return json.dumps(req, separators=(",", ":")).encode()
 
 
 def _resolve(w: asyncio.Future, value: object) -> None:
@@ -562,7 +587,7 @@ class EncoderCore:
                 e.journaled = True
             except OSError as exc:
                 self._journal_failed(exc)
-        e.body, e.n = body, n
+        e.body, e.n, e.fill = body, n, req.fill_context
         if want_plp:
             e.plp = (topk, prompt_arr)
         self.pending_request_bytes += len(body)
@@ -675,6 +700,7 @@ class EncoderCore:
         headers = {"X-Session-ID": e.key[0]}
         ids = AttemptIds(e.fid)  # X-Request-Id <fid>-a1, -a2, ... over every attempt of this future
         aborts = 0
+        refit = e.fill  # at most once
         try:
             while True:
                 t_engine = time.perf_counter()
@@ -684,6 +710,13 @@ class EncoderCore:
                     data = await self.engine.post(body, headers, ids=ids)
                 except EngineError as exc:
                     self.timers.engine(time.perf_counter() - t_engine, False)
+                    smaller = refit_to_window(body, exc) if refit else None
+                    if smaller is not None:
+                        refit, body = False, smaller
+                        self.counters["engine_context_refits"] += 1
+                        log.warning("encoder %d: the engine's context window is smaller than the gateway knew (%s); "
+                                    "future %s sent again with max_tokens for it", self.shard, exc, e.fid)
+                        continue
                     self._fail(e, str(exc), exc.category)
                     return
                 t0 = time.perf_counter()

@@ -65,6 +65,36 @@ def _asample(api: Api, ssid: str, prompt: list[int], seq: int, **params: int):
                                         "prompt": {"chunks": [{"tokens": prompt}]}, "sampling_params": params})
 
 
+def test_a_sample_without_max_tokens_survives_an_engine_that_came_back_with_a_smaller_window():
+    """The engine restarts with a smaller --max-model-len (4096 -> 2048) and the gateway has not
+    probed it yet: a sample that left max_tokens unset got the old window's max_tokens (3996),
+    vLLM refused it ("This model's maximum context length is 2048 tokens ..."), and the sample
+    failed as the user's fault though the user asked for nothing wrong (tester's stale_window.py:
+    10 of 10 in flight failed). Now it is sent again once, with max_tokens for the window the
+    engine names (1948) and the exact result for that. A max_tokens the user chose still fails."""
+    from conftest import engine_body, expected_sequences
+
+    with FakeEngine(max_model_len=4096) as eng, gateway(eng.url, SHARDSERVER_ENGINE__HEALTH_INTERVAL_S="60") as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        eng.configure(max_model_len=2048)  # as after a restart the gateway has not probed yet
+        prompt = list(range(1, 101))
+        st, _, b = _asample(api, ssid, prompt, 1, seed=1)
+        assert st == 200, b
+        rid = json.loads(b)["request_id"]
+        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
+        assert st == 200 and json.loads(b)["type"] == "sample", b
+        want = expected_sequences(engine_body(prompt, 1, 1948, 1, sim={"model_name": BASE_MODEL, "max_model_len": 2048}))
+        assert json.loads(b)["sequences"][0]["tokens"] == want[0]["tokens"]
+        sent = [(e["request_id"], e["request"]["max_tokens"]) for e in eng.log() if e["request_id"].startswith(rid)]
+        assert sent == [(f"{rid}-a1", 3996), (f"{rid}-a2", 1948)]
+        st, _, b = _asample(api, ssid, prompt, 2, seed=1, max_tokens=3000)
+        rid = json.loads(b)["request_id"]
+        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid})
+        assert json.loads(b)["category"] == "user" and "maximum context length is 2048" in json.loads(b)["error"]
+        assert s.stats()["shards"][0]["counters"]["engine_context_refits"] == 1
+
+
 def test_context_window_is_learned_from_the_engine_and_relearned_after_a_restart():
     """Engine with a 4096-token window (GET /v1/models), gateway default 65536, 3-token prompt, no
     max_tokens. Before: /readyz said ready, the gateway sent max_tokens 65533 and every such sample
