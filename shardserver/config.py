@@ -174,16 +174,16 @@ class EngineConfig:
     # in soak-131k mid-size, CPU per result unchanged; benchmarks/README_load.md), 64 MiB for https://
     # (where it holds engine calls back instead). See answer_budget().
     answer_budget_bytes: int = -1
-    # SO_RCVBUF of each http:// engine connection (bytes; the kernel accounts twice that); 0:
-    # the kernel's autotuning; -1 (the default): 128 MiB / pool_size within 64 KiB .. 1 MiB
-    # (256 KiB at the default pool_size; see receive_buffer()). An answer waiting unread for room in answer_budget_bytes sits in
-    # its socket: with autotuning each such socket took up to a whole answer (~0.65 MB for 8k
-    # tokens) of kernel memory, and 2 x 2048 of them (soak-131k) took the host's TCP memory
-    # past net.ipv4.tcp_mem's pressure mark (1.7 GB): the kernel then dropped segments on
-    # loopback and the engine's retransmission timeouts backed off to a minute, so answers
-    # stopped coming for minutes. Bounded, waiting answers hold at most 2 x this each, and the
-    # engine keeps the rest in its own send buffers (where vLLM keeps the answer anyway).
-    receive_buffer_bytes: int = -1
+    # SO_RCVBUF of each http:// engine connection (bytes; the kernel accounts twice that); 0
+    # (the default): the kernel's autotuning; -1: 128 MiB / pool_size within 64 KiB .. 1 MiB (see
+    # receive_buffer()). An answer waiting unread for room in answer_budget_bytes sits in its
+    # socket, with autotuning up to the whole answer (~0.65 MB at 8k tokens). Bounded, it holds
+    # at most 2 x this of this host's kernel memory and a remote engine keeps the rest; an
+    # admitted answer's connection is widened to 1 MiB (at most 64 per encoder) to read it at
+    # speed. It costs CPU all the same (soak-131k mid-size at 64 KiB: encoder 1.33 -> 1.76 ms
+    # per result), and with the engine on this host its send buffers are in the same kernel: see
+    # docs/OPERATIONS.md, "Engine answers in memory", for when TCP memory runs out.
+    receive_buffer_bytes: int = 0
     # Longest wait for one of the pool_size connections; then the future answers 410 (the request
     # never reached the engine) and the SDK resubmits it.
     pool_wait_s: float = 1800.0

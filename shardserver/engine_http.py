@@ -65,6 +65,15 @@ class ConnectFailed(Exception):
     """No connection to the engine could be opened (refused, unreachable, DNS, connect timeout)."""
 
 
+#: SO_RCVBUF (bytes) of a connection whose body is admitted, when EnginePool's
+#: receive_buffer_bytes bounds the others: a 64 KiB window made every 0.66 MB answer come in ten
+#: round trips (soak-131k: encoder CPU per result 1.40 -> 1.85 ms).
+WIDE_RECEIVE_BYTES = 1 << 20
+#: The most connections per pool widened to WIDE_RECEIVE_BYTES (the kernel never shrinks an
+#: advertised window, so they stay wide): 64 x 2 MiB as the kernel counts them.
+MAX_WIDE_CONNECTIONS = 64
+
+
 class Broken(Exception):
     """The connection ended or failed before the answer was complete.
 
@@ -254,7 +263,7 @@ class _Connection(asyncio.BufferedProtocol):
     """
 
     __slots__ = ("pool", "transport", "closed", "requests", "idle_since", "x", "parser", "head_view",
-                 "body_view", "head_bytes", "dirty")
+                 "body_view", "head_bytes", "dirty", "wide")
 
     def __init__(self, pool: "EnginePool") -> None:
         self.pool = pool
@@ -271,6 +280,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.body_view: memoryview | None = None
         self.head_bytes = 0  # header-section bytes seen for the current answer
         self.dirty = False  # bytes beyond the answer arrived: never reuse
+        self.wide = False  # its SO_RCVBUF was raised for an admitted body (EnginePool.wide_bytes)
 
     # -- asyncio.BufferedProtocol ----------------------------------------------------------
 
@@ -475,10 +485,22 @@ class _Connection(asyncio.BufferedProtocol):
         """Give the admitted ``Content-Length`` body its receive buffer (the bytes that came
         before, with the header section, are copied in); later reads land in it."""
         x = self.x
-        view = self.pool.buffers.take(x.length)  # type: ignore[arg-type]
+        pool = self.pool
+        view = pool.buffers.take(x.length)  # type: ignore[arg-type]
         if x.got:
             view[:x.got] = x.body  # type: ignore[index]
         x.body = self.body_view = view
+        if pool.receive_buffer_bytes and not self.wide and pool.wide < pool.max_wide:
+            # An admitted body is read at once: through a window of its size, not the small one
+            # that bounds what a waiting answer leaves in the kernel. The kernel never shrinks an
+            # advertised window, so a widened connection stays wide; at most max_wide are.
+            try:
+                self.transport.get_extra_info("socket").setsockopt(  # type: ignore[union-attr]
+                    socket.SOL_SOCKET, socket.SO_RCVBUF, pool.wide_bytes)
+            except (OSError, AttributeError):
+                return
+            self.wide = True
+            pool.wide += 1
 
     def _end_body(self) -> None:
         x = self.x
@@ -662,6 +684,8 @@ class EnginePool:
             kernel accounts twice that); 0: the kernel's autotuning (up to ``net.ipv4.tcp_rmem``'s
             maximum, 32 MiB on some hosts). Bounds the kernel memory an answer waiting unread
             for room in ``budget_bytes`` holds on this side: see ``engine.receive_buffer_bytes``.
+            A connection whose body is admitted is widened to :data:`WIDE_RECEIVE_BYTES` (at most
+            :data:`MAX_WIDE_CONNECTIONS` of them), so the body comes at full speed.
 
     Not thread-safe; one per event loop.
     """
@@ -685,6 +709,11 @@ class EnginePool:
             self.auth = "Basic " + base64.b64encode(cred).decode("ascii")
         self.connect_timeout_s = connect_timeout_s
         self.receive_buffer_bytes = receive_buffer_bytes
+        # Connections widened for an admitted body (_Connection.take_buffer): at most max_wide of
+        # wide_bytes each, so what answers waiting on them can leave in the kernel stays bounded.
+        self.wide_bytes = max(WIDE_RECEIVE_BYTES, receive_buffer_bytes)
+        self.max_wide = MAX_WIDE_CONNECTIONS
+        self.wide = 0
         self.idle_s = idle_s
         self.read_idle_s = read_idle_s
         self.on_bytes: Callable[[int], None] = on_bytes or (lambda n: None)
@@ -778,6 +807,9 @@ class EnginePool:
 
     def _forget(self, conn: _Connection) -> None:
         self._all.discard(conn)
+        if conn.wide:
+            conn.wide = False
+            self.wide -= 1
         # Closed idle connections are skipped when taken; no scan of the deque here.
 
     async def _resolve(self, loop: asyncio.AbstractEventLoop) -> list[tuple]:

@@ -811,7 +811,9 @@ def test_an_answer_waiting_for_room_holds_at_most_its_receive_buffer_in_the_kern
     loopback and the engine's retransmission timeouts backed off to ~1 min. With
     ``receive_buffer_bytes`` each socket is bounded (SO_RCVBUF, accounted twice by the kernel):
     a 4 MB answer waiting for room leaves at most that in our kernel, the rest stays with the
-    engine, and it still arrives exact once admitted."""
+    engine, and it still arrives exact once admitted. An admitted body's connection is widened
+    (WIDE_RECEIVE_BYTES, at most MAX_WIDE_CONNECTIONS of them), so it is read at full speed."""
+    from shardserver.engine_http import WIDE_RECEIVE_BYTES
     huge = b'{"choices":[{"index":0,"token_ids":[' + b",".join(b"%d" % (i % 50000) for i in range(700_000)) + b"]}]}"
     assert len(huge) > 4_000_000
 
@@ -820,7 +822,11 @@ def test_an_answer_waiting_for_room_holds_at_most_its_receive_buffer_in_the_kern
             pool, held = budget_pool(s.url, budget=1_500_000, receive_buffer_bytes=65536)
             status, first, _ = await pool.post(b"{}", {}, limit=1 << 24)
             held[0] += len(first)
-            second = asyncio.create_task(pool.post(b"{}", {}, limit=1 << 24))
+            (wide,) = pool._all
+            assert wide.transport.get_extra_info("socket").getsockopt(
+                socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * WIDE_RECEIVE_BYTES and pool.wide == 1
+            # (fresh: a connection of its own, not the widened one)
+            second = asyncio.create_task(pool.post(b"{}", {}, limit=1 << 24, fresh=True))
             await asyncio.sleep(0.5)
             (conn,) = [c for c in pool._all if c.x is not None]
             assert conn.x.paused and pool.waiting == 1
@@ -838,16 +844,18 @@ def test_an_answer_waiting_for_room_holds_at_most_its_receive_buffer_in_the_kern
 
 
 def test_engine_receive_buffer_follows_the_pool_size_unless_set() -> None:
-    """engine.receive_buffer_bytes = -1: 128 MiB / pool_size within 64 KiB .. 1 MiB, so an
-    encoder's engine sockets hold at most 2 x 128 MiB of kernel memory; 0 keeps autotuning."""
+    """engine.receive_buffer_bytes: 0 (the default) keeps the kernel's autotuning; -1 is
+    128 MiB / pool_size within 64 KiB .. 1 MiB, so an encoder's engine sockets hold at most
+    2 x 128 MiB of kernel memory."""
     from shardserver.config import config_from_mapping
     from shardserver.errors import ConfigError
 
     def rcv(**engine: Any) -> int:
         return config_from_mapping({"engine": engine}, env={}).engine.receive_buffer()
 
-    assert [rcv(pool_size=p) for p in (1, 128, 512, 2048, 8192)] == [1 << 20, 1 << 20, 256 << 10, 64 << 10, 64 << 10]
-    assert (rcv(receive_buffer_bytes=0), rcv(receive_buffer_bytes=100_000)) == (0, 100_000)
+    assert [rcv(pool_size=p, receive_buffer_bytes=-1) for p in (1, 128, 512, 2048, 8192)] == [
+        1 << 20, 1 << 20, 256 << 10, 64 << 10, 64 << 10]
+    assert (rcv(), rcv(receive_buffer_bytes=100_000)) == (0, 100_000)
     with pytest.raises(ConfigError, match="engine.receive_buffer_bytes"):
         rcv(receive_buffer_bytes=100)
 
