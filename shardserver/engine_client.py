@@ -539,3 +539,5 @@ class EngineClient:
         if self._pool is not None:
             self._pool.buffers.trim(buffer_idle_s)
             self._pool.close_idle()
+            if self._pool.waiting:
+                self._pool.wake()  # (under TCP memory pressure it lets waiting answers in)

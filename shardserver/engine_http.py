@@ -74,6 +74,63 @@ WIDE_RECEIVE_BYTES = 1 << 20
 MAX_WIDE_CONNECTIONS = 64
 
 
+#: Answers waiting unread are let in past the budget while the host's TCP memory is above this
+#: share of net.ipv4.tcp_mem's pressure mark (see TcpMemory).
+TCP_MEMORY_RELIEF = 0.75
+
+
+class TcpMemory:
+    """Whether the host's TCP memory nears ``net.ipv4.tcp_mem``'s pressure mark.
+
+    Past the mark Linux prunes receive queues and drops arriving segments, loopback included,
+    and the senders' retransmission timeouts back off towards two minutes: answers left waiting
+    in sockets (:meth:`EnginePool._admit`) would then stop arriving at all (soak-131k, 2 x 2023
+    answers of 0.66 MB waiting: 1.7 GB against a 1.5 GB mark). :meth:`pressed` is True while
+    ``/proc/net/sockstat``'s TCP ``mem`` (pages) is at least :data:`TCP_MEMORY_RELIEF` of the
+    mark (``/proc/sys/net/ipv4/tcp_mem``'s middle value); read at most every ``every_s``
+    seconds. Always False where those files cannot be read.
+    """
+
+    __slots__ = ("every_s", "_until", "_pressed", "_mark", "_sockstat")
+
+    def __init__(self, every_s: float = 0.25, sockstat: str = "/proc/net/sockstat",
+                 tcp_mem: str = "/proc/sys/net/ipv4/tcp_mem") -> None:
+        self.every_s = every_s
+        self._until = 0.0
+        self._pressed = False
+        self._mark: int | None = None
+        try:
+            with open(tcp_mem) as f:
+                self._mark = int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+        self._sockstat = sockstat
+
+    def pages(self) -> int | None:
+        """TCP memory in use (pages), or None where unknown."""
+        if not self._mark:
+            return None
+        try:
+            with open(self._sockstat) as f:
+                for line in f:
+                    if line.startswith("TCP:"):
+                        parts = line.split()
+                        return int(parts[parts.index("mem") + 1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+    def pressed(self) -> bool:
+        """True while TCP memory is at least TCP_MEMORY_RELIEF of the pressure mark."""
+        now = time.monotonic()
+        if now < self._until:
+            return self._pressed
+        self._until = now + self.every_s
+        used = self.pages()
+        self._pressed = used is not None and self._mark is not None and used >= TCP_MEMORY_RELIEF * self._mark
+        return self._pressed
+
+
 class Broken(Exception):
     """The connection ended or failed before the answer was complete.
 
@@ -712,6 +769,7 @@ class EnginePool:
         # Connections widened for an admitted body (_Connection.take_buffer): at most max_wide of
         # wide_bytes each, so what answers waiting on them can leave in the kernel stays bounded.
         self.wide_bytes = max(WIDE_RECEIVE_BYTES, receive_buffer_bytes)
+        self.tcp_memory = TcpMemory()
         self.max_wide = MAX_WIDE_CONNECTIONS
         self.wide = 0
         self.idle_s = idle_s
@@ -766,6 +824,10 @@ class EnginePool:
         elif not self.budget_bytes:
             self._count(x, need)
             return True
+        if self.tcp_memory.pressed():
+            self.buffers.counters["engine_answers_let_in_for_tcp_memory"] += 1
+            self._count(x, need)
+            return True
         x.paused = True
         self.waiting_bytes += x.counted
         conn.transport.pause_reading()  # type: ignore[union-attr]
@@ -796,7 +858,9 @@ class EnginePool:
                 continue
             other = self.held() - self.waiting_bytes  # held by the answers let in
             if other > 0 and other + (x.length or 0) > self.budget_bytes:
-                break
+                if not self.tcp_memory.pressed():
+                    break
+                self.buffers.counters["engine_answers_let_in_for_tcp_memory"] += 1
             q.popleft()
             self._unwait(x)
             self._count(x, (x.length or 0) - x.got)  # what came with the header section is counted

@@ -843,6 +843,55 @@ def test_an_answer_waiting_for_room_holds_at_most_its_receive_buffer_in_the_kern
     run(main())
 
 
+def test_answers_waiting_for_room_are_let_in_while_tcp_memory_nears_its_pressure_mark() -> None:
+    """soak-131k stalled for minutes: answers waiting unread in their sockets (2 x 2023 x 0.66 MB
+    with the simulator's send queues) took the host's TCP memory past net.ipv4.tcp_mem's pressure
+    mark, where Linux drops arriving segments even on loopback and the senders' retransmission
+    timeouts back off towards two minutes. While TcpMemory says the mark is near, an answer that
+    would wait is let in past the budget (read into this process), and the periodic sweep lets
+    the waiting ones in."""
+    pressed = [False]
+
+    async def main() -> None:
+        async with Script([ok(BIG)] * 3) as s:
+            client = EngineClient(dataclasses.replace(EngineConfig(), answer_budget_bytes=1_500_000), s.url)
+            await client.start()
+            pool = client._pool
+            pool.tcp_memory = type("Stub", (), {"pressed": staticmethod(lambda: pressed[0])})()
+            first = await client.post(b"{}", {})
+            second = asyncio.create_task(client.post(b"{}", {}))
+            await asyncio.sleep(0.3)
+            assert pool.waiting == 1 and not second.done()
+            pressed[0] = True
+            client.sweep(10.0)  # the encoder's sweep, every futures.sweep_interval_s
+            data2 = await asyncio.wait_for(second, 5)
+            data3 = await asyncio.wait_for(client.post(b"{}", {}), 5)  # let in at once, never paused
+            assert bytes(data2) == bytes(data3) == bytes(first) == BIG
+            assert client.counters["engine_answers_let_in_for_tcp_memory"] == 2
+            assert client.counters["engine_answers_waited"] == 1
+            for d in (first, data2, data3):
+                client.release(d)
+            assert client.answer_bytes == 0
+            await client.close()
+    run(main())
+
+
+def test_tcp_memory_reads_sockstat_against_the_pressure_mark(tmp_path: Any) -> None:
+    from shardserver.engine_http import TCP_MEMORY_RELIEF, TcpMemory
+
+    (tmp_path / "tcp_mem").write_text("287889\t383855\t575778\n")
+    sockstat = tmp_path / "sockstat"
+
+    def mem(pages: int) -> TcpMemory:
+        sockstat.write_text(f"sockets: used 11833\nTCP: inuse 11789 orphan 0 tw 371 alloc 11789 mem {pages}\n")
+        return TcpMemory(every_s=0.0, sockstat=str(sockstat), tcp_mem=str(tmp_path / "tcp_mem"))
+
+    mark = int(TCP_MEMORY_RELIEF * 383855)
+    assert (mem(435490).pressed(), mem(mark + 1).pressed(), mem(mark - 1).pressed()) == (True, True, False)
+    assert mem(435490).pages() == 435490
+    assert TcpMemory(tcp_mem=str(tmp_path / "absent")).pressed() is False
+
+
 def test_engine_receive_buffer_follows_the_pool_size_unless_set() -> None:
     """engine.receive_buffer_bytes: 0 (the default) keeps the kernel's autotuning; -1 is
     128 MiB / pool_size within 64 KiB .. 1 MiB, so an encoder's engine sockets hold at most
