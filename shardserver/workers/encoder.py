@@ -62,7 +62,7 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -117,7 +117,7 @@ class FutureEntry:
     From SUBMIT until the engine answered (or the future left the pending state), ``body``
     holds the engine request body (its size counted in ``EncoderCore.pending_request_bytes``);
     ``n`` and ``plp`` are the decode parameters. The
-    entry is all a pending future holds: ~0.9 KB with a 32-token prompt's body
+    entry is all a pending future holds: ~1 KB with a 32-token prompt's body
     (``benchmarks/pending_memory.py``), 131,072 of them in the full soak.
     """
 
