@@ -672,6 +672,27 @@ def test_an_answer_sent_twice_is_not_taken_for_the_next_requests_answer() -> Non
     run(main())
 
 
+def test_answers_that_always_name_another_request_fail_within_the_budget() -> None:
+    """A fault of the same kind the tester did not name: something in between that mixes up
+    answers on every connection, fresh ones too. The answer naming another request is never
+    returned: after the fresh retry it is re-forwarded with backoff and the request fails once
+    engine.unavailable_budget_s is spent, naming the id it got, with nothing left held."""
+    from shardserver.engine_client import AttemptIds
+
+    wrong = answer_for(f"{FID1}-a1")
+
+    async def main() -> None:
+        async with Script([wrong] * 40) as s:
+            client = EngineClient(dataclasses.replace(EngineConfig(), unavailable_budget_s=0.5), s.url)
+            await client.start()
+            with pytest.raises(EngineError, match=rf"the engine's answer is that of another request \(cmpl-{FID1}-a1\)"):
+                await client.post(b"{}", {}, ids=AttemptIds(FID2))
+            assert client.counters["engine_answers_of_another_request"] >= 3
+            assert client.answer_bytes == 0
+            await client.close()
+    run(main())
+
+
 def test_garbage_where_a_reused_connections_answer_should_start_sends_the_request_again() -> None:
     """Bytes left over on a keep-alive connection (a proxy that under-stated a Content-Length)
     come before the next answer: that request was failed for good ("not an HTTP/1.1 answer",
