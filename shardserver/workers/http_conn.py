@@ -189,6 +189,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0        # bytes of them received so far
         self._tail = b""            # the last 3 bytes of the head so far (a blank line may straddle reads)
         self._linger_left: int | None = None  # body bytes still read after an early answer (None: not lingering)
+        self._peer_eof = False      # the client half-closed after whole requests: close once they are answered
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, phase: str, seconds: float) -> None:
@@ -280,6 +281,22 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._listener is not None:
             self._listener.released(self)
 
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        """The client shut down its sending side (``shutdown(SHUT_WR)``, a half-close). Requests
+        it sent whole are still answered (pipelined ones too), then the connection is closed;
+        uvicorn closed it at once, so such a client got no answer. With nothing to answer, or a
+        request cut off before its end (it can never complete), the connection closes now.
+
+        Returns True to keep the transport open for writing (asyncio's ``Protocol`` contract).
+        """
+        cycle = self.cycle
+        answering = cycle is not None and not cycle.response_complete and not cycle.more_body
+        if (answering or self.pipeline) and self._in_head and not self._head_bytes:
+            self._peer_eof = True
+            self._disarm()  # (no timer judges a request that is complete)
+            return True
+        return None
+
     def data_received(self, data: bytes) -> None:
         if self.idle_since:
             self.idle_since = 0.0
@@ -367,6 +384,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         early = cycle is not None and cycle.more_body  # answered before the request's body was complete
         super().on_response_complete()
         if self.transport.is_closing():
+            return
+        if self._peer_eof and not self.pipeline:
+            self._unset_keepalive_if_required()
+            self.transport.close()  # every request the half-closed client sent is answered
             return
         if early and self._limits.linger_bytes:
             # Read the rest for at most body_timeout_s and linger_bytes, then close (unless it

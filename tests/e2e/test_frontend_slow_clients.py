@@ -364,3 +364,38 @@ def test_connections_reset_by_their_clients_are_not_kept_until_the_keep_alive_ti
     time.sleep(0.5)
     grown = _front_end_anon_kib(server) - before
     assert grown < 8 * 1024, f"front-ends grew {grown} KiB over 2000 reset connections"
+
+
+def test_a_client_that_half_closes_after_its_requests_gets_every_answer_then_eof(gateway):
+    """Found by a break test: a client that sent its request and then shut down its sending side
+    (``shutdown(SHUT_WR)``, as some scripts and proxies do) got no answer: uvicorn closed the
+    connection on the EOF. Now requests sent whole are answered, pipelined ones too, and then
+    the connection closes; a request cut off by the half-close closes it at once (no 408 wait)."""
+
+    async def half_close(payload: bytes) -> tuple[bytes, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+        writer.write(payload)
+        await writer.drain()
+        writer.write_eof()
+        t0 = time.monotonic()
+        got = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+        dt = time.monotonic() - t0
+        writer.close()
+        return got, dt
+
+    one = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    got, _ = asyncio.run(half_close(one))
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.count(b"HTTP/1.1 ") == 1, got
+    assert got.endswith(b"\r\n\r\n" + http_json(gateway.url + "/healthz")[2]), got  # {"status":"ok",...}
+
+    telemetry = json.dumps({"events": [], "platform": "x", "sdk_version": "0.38.0", "session_id": "s"}).encode()
+    two = (b"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(telemetry), telemetry)) + one
+    got, _ = asyncio.run(half_close(two))
+    assert got.count(b"HTTP/1.1 200 OK\r\n") == 2, got
+    assert got.index(b"HTTP/1.1 200 OK\r\n", 1) > got.index(b"\r\n\r\n"), got  # in order, both whole
+
+    cut = b"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    got, dt = asyncio.run(half_close(cut))
+    assert got == b"" and dt < BODY_TIMEOUT_S, (got, dt)
+    assert http_json(gateway.url + "/healthz")[0] == 200
