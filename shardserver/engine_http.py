@@ -13,11 +13,11 @@ that size, which the decoder parses as is. One copy, from the kernel.
 Everything else HTTP allows still works, on a slower path: ``Transfer-Encoding: chunked``,
 bodies delimited by the connection closing, ``Content-Encoding: gzip``/``deflate`` (decoded when an
 engine or proxy sends it anyway; every member of a concatenated body; the gateway asks for
-``Accept-Encoding: identity``, since only an identity body with a ``Content-Length`` is held to
-``engine.answer_budget_bytes`` before it is read), interim ``1xx``
-responses. The header section is parsed by ``httptools`` (llhttp, the parser uvicorn and aiohttp
-use), with the leniencies aiohttp's client parser allows (bare LF line ends, lax header lines,
-spaces after a chunk size).
+``Accept-Encoding: identity``), interim ``1xx`` responses. A body without a ``Content-Length``
+of its own is held to ``engine.answer_budget_bytes`` as if it were :data:`STREAM_BODY_ESTIMATE`
+bytes long, and counted as it arrives past that. The header section is parsed by ``httptools``
+(llhttp, the parser uvicorn and aiohttp use), with the leniencies aiohttp's client parser allows
+(bare LF line ends, lax header lines, spaces after a chunk size).
 
 Used by :class:`shardserver.engine_client.EngineClient` for ``http://`` engines; an
 ``https://`` engine keeps aiohttp. Failures are reported as :class:`ConnectFailed`,
@@ -72,6 +72,11 @@ WIDE_RECEIVE_BYTES = 1 << 20
 #: The most connections per pool widened to WIDE_RECEIVE_BYTES (the kernel never shrinks an
 #: advertised window, so they stay wide): 64 x 2 MiB as the kernel counts them.
 MAX_WIDE_CONNECTIONS = 64
+#: What a body with no identity Content-Length (chunked, delimited by the connection closing, or
+#: compressed) is taken to need of ``engine.answer_budget_bytes`` when it is let in (bytes): its
+#: size is known only once it has arrived. An 8k-token answer with logprobs is ~0.66 MB, a
+#: 32k-token one ~2.7 MB; what arrives past the estimate is counted as it arrives.
+STREAM_BODY_ESTIMATE = 1 << 20
 
 
 #: Answers waiting unread are let in past the budget while the host's TCP memory is above this
@@ -287,7 +292,7 @@ class _Exchange:
 
     __slots__ = ("waiter", "limit", "status", "headers_done", "interim", "length", "body", "got",
                  "direct", "inflater", "complete", "keep_alive", "error", "received", "chunked",
-                 "encoding", "retry_after", "location", "watch", "counted", "paused")
+                 "encoding", "retry_after", "location", "watch", "counted", "paused", "reserve")
 
     def __init__(self, waiter: asyncio.Future, limit: int) -> None:
         self.waiter = waiter
@@ -310,6 +315,9 @@ class _Exchange:
         # plus the whole Content-Length of a body admitted to the fast path (reserved up front).
         self.counted = 0
         self.paused = False  # the body waits, unread, for room in the answer budget (EnginePool._admit)
+        # Of a body without Content-Length let in under the budget: what is counted for it ahead
+        # of its arrival and not yet used up by its bytes (EnginePool._let_in).
+        self.reserve = 0
         self.retry_after: bytes | None = None  # the answer's Retry-After field, as sent
         self.location: bytes | None = None  # the answer's Location field (a redirect), as sent
         self.watch: asyncio.TimerHandle | None = None  # the read-idle check (EnginePool._watch)
@@ -380,8 +388,16 @@ class _Connection(asyncio.BufferedProtocol):
                     x.got = x.length  # type: ignore[assignment]
                 self._end_body()
             return
-        x.counted += nbytes
-        self.pool.on_bytes(nbytes)
+        n = nbytes
+        if x.reserve:  # a body let in under the budget arrives into what was counted for it
+            used = min(x.reserve, n)
+            x.reserve -= used
+            n -= used
+        if n:
+            x.counted += n
+            self.pool.on_bytes(n)
+            if x.paused:  # a read the event loop made before it saw the pause
+                self.pool.waiting_bytes += n
         try:
             if not x.headers_done:
                 if self.head_bytes >= MAX_HEAD_BYTES:
@@ -507,6 +523,8 @@ class _Connection(asyncio.BufferedProtocol):
                 self.take_buffer()
             # else: the body waits unread for room (its buffer is taken when admitted; what
             # arrived with the header section collects in x.body meanwhile)
+        elif status not in (204, 304) and x.length != 0 and self.pool.budget_bytes:
+            self.pool._admit(self, x)  # a body of unknown size: let in as STREAM_BODY_ESTIMATE bytes, or wait
         if status in (204, 304):
             x.length = 0
         pool = self.pool
@@ -735,7 +753,9 @@ class EnginePool:
             connection stops reading after the header section (the rest stays in the kernel's
             socket buffer and the engine's) until :meth:`wake` finds room, first come first
             served. A body is always admitted when nothing else is held, so one larger than the
-            budget still arrives.
+            budget still arrives. A body of unknown size (chunked, close-delimited, compressed)
+            waits the same way, taken as :data:`STREAM_BODY_ESTIMATE` bytes; once let in it is
+            read to its end, counted as it arrives past the estimate.
         held: the answer bytes held now (bytes), e.g. ``EngineClient.answer_bytes``; required
             with ``budget_bytes``.
         keep_buffer_bytes: the most bytes of receive buffers kept for reuse (:class:`BodyBuffers`).
@@ -820,18 +840,18 @@ class EnginePool:
         return True, or, when that would pass ``budget_bytes`` while other answers are held (or
         others already wait), stop reading its connection until :meth:`wake` admits it and
         return False. A waiting body takes no receive buffer: a kept one is resident memory."""
-        need = x.length or 0
+        need = self._need(x)
         if self.budget_bytes and not self._waiting:
             other = self.held() - self.waiting_bytes - x.counted  # held by the answers let in
             if other <= 0 or other + need <= self.budget_bytes:
-                self._count(x, need)
+                self._let_in(x, need)
                 return True
         elif not self.budget_bytes:
-            self._count(x, need)
+            self._let_in(x, need)
             return True
         if self._relieves(x.counted, need):
             self.buffers.counters["engine_answers_let_in_for_tcp_memory"] += 1
-            self._count(x, need)
+            self._let_in(x, need)
             return True
         x.paused = True
         self.waiting_bytes += x.counted
@@ -847,6 +867,24 @@ class EnginePool:
         what of this one is already counted)."""
         other = self.held() - self.waiting_bytes - counted
         return other + need <= TCP_MEMORY_RELIEF_BUDGETS * self.budget_bytes and self.tcp_memory.pressed()
+
+    @staticmethod
+    def _need(x: _Exchange) -> int:
+        """What ``x``'s body needs of the budget (bytes): its ``Content-Length`` on the fast path,
+        else at least :data:`STREAM_BODY_ESTIMATE` (a compressed body's length is a lower bound)."""
+        if x.direct:
+            return x.length or 0
+        return max(x.length or 0, STREAM_BODY_ESTIMATE)
+
+    def _let_in(self, x: _Exchange, need: int, arrived: int = 0) -> None:
+        """Count ``x``'s body as let in: a ``Content-Length`` body whole, less the ``arrived``
+        bytes of it counted already; a body of unknown size as ``need`` bytes reserved ahead,
+        which its bytes use up as they arrive (``_Exchange.reserve``)."""
+        if x.direct:
+            self._count(x, need - arrived)
+        else:
+            x.reserve = need
+            self._count(x, need)
 
     def _unwait(self, x: _Exchange) -> None:
         """``x`` stops waiting (admitted, complete, or ended): its bytes leave ``waiting_bytes``."""
@@ -870,14 +908,16 @@ class EnginePool:
                 q.popleft()
                 continue
             other = self.held() - self.waiting_bytes  # held by the answers let in
-            if other > 0 and other + (x.length or 0) > self.budget_bytes:
-                if not self._relieves(0, x.length or 0):
+            need = self._need(x)
+            if other > 0 and other + need > self.budget_bytes:
+                if not self._relieves(0, need):
                     break
                 self.buffers.counters["engine_answers_let_in_for_tcp_memory"] += 1
             q.popleft()
             self._unwait(x)
-            self._count(x, (x.length or 0) - x.got)  # what came with the header section is counted
-            conn.take_buffer()
+            self._let_in(x, need, x.got)  # (what came with the header section is counted already)
+            if x.direct:
+                conn.take_buffer()
             conn.transport.resume_reading()  # type: ignore[union-attr]
             n += 1
         return n

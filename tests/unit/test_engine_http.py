@@ -1137,3 +1137,65 @@ def test_an_answer_aiohttp_cannot_parse_is_worded_as_not_http_not_as_a_400() -> 
             assert "400" not in str(ei.value) and ei.value.status is None and ei.value.category == "server"
             await client.close()
     run(main())
+
+
+def _chunked(body: bytes, piece: int = 64 * 1024) -> bytes:
+    """A chunked 200 carrying ``body`` in ``piece``-byte chunks."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    return head + b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + piece]), body[i:i + piece])
+                           for i in range(0, len(body), piece)) + b"0\r\n\r\n"
+
+
+def test_chunked_answers_are_held_to_the_budget_too() -> None:
+    """Found by a break test: only identity Content-Length bodies waited for room in
+    engine.answer_budget_bytes; eight ~1 MB chunked answers arriving together were all read at
+    once (a peak of ~8 MB against a 2.5 MB budget). Now a body of unknown size is let in as
+    STREAM_BODY_ESTIMATE (1 MiB) bytes, or waits unread like the others; every body arrives exact."""
+
+    async def main() -> None:
+        async with Script([_chunked(BIG)] * 8) as s:
+            cfg = dataclasses.replace(EngineConfig(), answer_budget_bytes=2_500_000, pool_size=8)
+            client = EngineClient(cfg, f"http://127.0.0.1:{s.port}")
+            await client.start()
+
+            async def one() -> bytes:
+                data = await client.post(b"{}", {})
+                await asyncio.sleep(0.05)
+                out = bytes(data)
+                client.release(data)
+                return out
+
+            bodies = await asyncio.gather(*(one() for _ in range(8)))
+            assert bodies == [BIG] * 8
+            # two let in at a time (2 x 1 MiB estimated), each ~1.08 MB when whole, plus the
+            # header-section reads of the others
+            assert 2 * len(BIG) <= client.answer_bytes_peak <= 2 * len(BIG) + 8 * 256 * 1024, client.answer_bytes_peak
+            assert client.counters["engine_answers_waited"] >= 5
+            assert client.answer_bytes == 0 and client.answers_waiting == 0
+            await client.close()
+    run(main())
+
+
+def test_a_close_delimited_answer_waits_for_room_and_arrives_whole() -> None:
+    """A body delimited by the connection closing, arriving while another answer holds the
+    budget: it waits unread, then is read to its end when the held one is given back."""
+
+    async def main() -> None:
+        close_delimited = ("close", b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + BIG)
+        async with Script([ok(BIG), close_delimited]) as s:
+            pool, held = budget_pool(s.url, budget=1_500_000)
+            status, first, _ = await pool.post(b"{}", {}, limit=1 << 24)
+            held[0] += len(first)
+            second = asyncio.create_task(pool.post(b"{}", {}, limit=1 << 24))
+            await asyncio.sleep(0.2)
+            assert not second.done() and pool.waiting == 1
+            waiting = next(c for c in pool._all if c.x is not None)
+            assert waiting.x.paused and waiting.x.got < 64 * 1024
+            held[0] -= len(first)
+            pool.recycle(first)
+            assert pool.wake() == 1
+            status2, body2, _ = await asyncio.wait_for(second, 5)
+            assert (status, status2, bytes(body2)) == (200, 200, BIG)
+            assert held[0] == 0 and pool.waiting == 0 and pool.waiting_bytes == 0
+            await pool.close()
+    run(main())
