@@ -383,3 +383,32 @@ def test_stopped_front_end_and_encoder_are_killed_and_restarted():
         kills = {dict(smp.labels)["role"]: smp.value for fam in text_string_to_metric_families(body.decode())
                  for smp in fam.samples if smp.name == "shardserver_worker_hung_kills_total"}
         assert kills == {"front-end": 1.0, "encoder": 1.0}
+
+
+def test_a_paused_and_resumed_process_group_keeps_its_children():
+    """Found by a break test: SIGSTOP to the whole gateway for longer than
+    server.liveness_timeout_s, then SIGCONT (`docker pause`, a VM stun, Ctrl-Z and `fg`), and the
+    supervisor, first to run, found every child's heartbeat stale and SIGKILLed a healthy encoder,
+    losing its futures in flight. Now a supervisor that itself did not run judges heartbeats from
+    the resume: nothing is killed, and samples submitted before the pause complete after it."""
+    env = {"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "2",
+           "SHARDSERVER_SERVER__LIVENESS_TIMEOUT_S": "2", "SHARDSERVER_SIMULATOR__LATENCY_S": "1.0"}
+    with RunningServer(env=env) as s:
+        pgid = s.proc.pid
+        before = sorted(_group(pgid))
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rids = [api.submit(ssid, [9, 9, i], seq_id=i) for i in range(8)]  # in the engine during the pause
+        time.sleep(0.5)
+        os.killpg(pgid, signal.SIGSTOP)
+        try:
+            time.sleep(3.5)  # past the 2 s bound
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        time.sleep(3.0)  # a bound and more after the resume: the children beat meanwhile
+        assert sorted(_group(pgid)) == before, "\n".join(s.log_lines[-20:])
+        assert not any("missed its liveness check" in line for line in s.log_lines), "\n".join(s.log_lines[-20:])
+        assert any("the supervisor did not run for " in line and "WARNING" in line for line in s.log_lines), "\n".join(s.log_lines[-20:])
+        got = [api.post("/api/v1/retrieve_future", {"request_id": r}) for r in rids]
+        assert [st for st, _, _ in got] == [200] * 8, got
+        assert all(len(json.loads(b)["sequences"]) == 1 for _, _, b in got), got
