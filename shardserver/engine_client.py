@@ -101,22 +101,28 @@ NEVER_RAN_STATUSES = (408, 429, 503)
 # engine.unavailable_budget_s) -- vLLM itself never answers either --, and vllm-router's 500 wrapping a
 # failure to reach its worker or to read the worker's body (spec §8.2) -- the transport failures
 # the gateway re-forwards when it meets them itself. vLLM's own 500 (its JSON error envelope,
-# e.g. a GenerationError) stays final.
+# e.g. a GenerationError) stays final, except its EngineDeadError (below).
 _PROXY_STATUSES = (502, 504)
 # Statuses about the gateway's own credentials, never about a sample: vLLM's ``--api-key``
 # middleware answers 401 ``{"error":"Unauthorized"}`` (JSON, like its errors for a bad parameter),
 # an ingress or auth proxy 401, 403 or 407. The deployment is at fault: category server.
 _CREDENTIAL_STATUSES = (401, 403, 407)
 _ROUTER_TRANSPORT_500 = (b"Request failed: ", b"Failed to get response body")
+# vLLM's 500 when its engine core process died (EngineDeadError, spec §8: "EngineCore encountered an
+# issue. See stack trace (above) for the root cause."): the requests in flight were not finished and
+# the API server shuts down, to be restarted by whatever runs it. The same outage as the engine
+# being killed and restarted, which is re-forwarded; so is this answer.
+_ENGINE_DEAD_500 = b"EngineCore encountered an issue"
 
 
 def engine_did_not_answer(status: int, body: bytes) -> bool:
     """Whether an HTTP error status means the engine itself never answered the request (so it
     is re-forwarded within ``engine.unavailable_budget_s``): :data:`NEVER_RAN_STATUSES`, a 502 or 504, or
     vllm-router's plain-text 500 for a worker it could not reach or read (``body`` starts with
-    ``Request failed: `` or ``Failed to get response body``)."""
+    ``Request failed: `` or ``Failed to get response body``), or vLLM's 500 for an engine core that
+    died (``EngineDeadError``: its message within the body's first 1 KiB)."""
     return (status in NEVER_RAN_STATUSES or status in _PROXY_STATUSES
-            or (status == 500 and body.startswith(_ROUTER_TRANSPORT_500)))
+            or (status == 500 and (body.startswith(_ROUTER_TRANSPORT_500) or _ENGINE_DEAD_500 in body[:1024])))
 # Re-forward backoff (seconds): first wait, factor 2 per re-forward, cap; each wait is jittered to
 # 50-100 % so that the requests of one outage do not come back in lockstep.
 #: A successful health probe ends an outage only once no engine request failed for this long

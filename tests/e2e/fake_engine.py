@@ -17,7 +17,7 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
   without a response byte; ``drop_how`` = ``"close"`` (FIN) or ``"reset"`` (RST).
 * ``truncate``: the next N completions get the headers (full Content-Length) and half the body,
   then a FIN.
-* ``status`` (+ ``status_body`` = ``vllm`` | ``router`` | ``empty`` | ``proxy`` | ``router_send`` |
+* ``status`` (+ ``status_body`` = ``vllm`` | ``router`` | ``empty`` | ``proxy`` | ``engine_dead`` | ``router_send`` |
   ``router_read`` | ``auth``): answer completions with this HTTP status, for ``status_for_s`` seconds from
   the first request it answers so (0: until changed). ``proxy`` is nginx's HTML error page;
   ``auth`` is vLLM's ``{"error":"Unauthorized"}`` (``vllm serve --api-key``, a request without the key);
@@ -267,6 +267,11 @@ class _Server:
                                 "<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n".encode(), "text/html")
             elif kind == "auth":  # vLLM's --api-key middleware (AuthenticationMiddleware)
                 await self.send(writer, status, b'{"error":"Unauthorized"}')
+            elif kind == "engine_dead":  # vLLM's EngineDeadError handler: the engine core process died
+                msg = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+                await self.send(writer, status, json.dumps(
+                    {"error": {"message": msg, "type": "InternalServerError", "param": None, "code": status}},
+                    separators=(",", ":")).encode())
             elif kind in ("router_send", "router_read"):
                 what = ("Request failed: error sending request for url (http://10.0.0.7:8000/v1/completions)"
                         if kind == "router_send" else "Failed to get response body: error decoding response body")

@@ -300,15 +300,17 @@ def test_proxy_and_router_errors_for_an_unreachable_engine_are_reforwarded_while
     """What sits between the gateway and a restarting vLLM answers for it: nginx (or an ingress)
     502 with its HTML page, a load balancer's 504 (its connection to the restarting pod timed
     out; tester's proxy_504.py: 0/8 samples before, 8/8 for a 502), vllm-router 500 ``Request failed: ...`` (could not reach the worker)
-    or ``Failed to get response body: ...`` (the worker's body broke). vLLM itself never answers
-    502, and these router bodies wrap exactly the transport failures the gateway re-forwards when
-    it meets them directly: for 1.8 s, then answers, and each sample completes. vLLM's own 500
+    or ``Failed to get response body: ...`` (the worker's body broke), and vLLM's own 500 for an
+    engine core that died (``EngineDeadError``; tester's enginedead.py: 0/8 samples before, with the
+    server restarted 3 s later). vLLM itself never answers 502, and these bodies wrap exactly the
+    transport failures the gateway re-forwards when it meets them directly: for 1.8 s, then
+    answers, and each sample completes. vLLM's own 500
     (its JSON envelope) still fails at once. Before: each failed at its first attempt with
     ``engine returned HTTP 502: <html>...`` / ``HTTP 500: Request failed: ...`` (category server)."""
     with FakeEngine() as eng, gateway(eng.url) as s:
         api, ssid = _each_status_is_reforwarded_until_answered(eng, s, 111, [(502, "proxy"), (500, "router_send"),
                                                                              (500, "router_read"), (502, "empty"),
-                                                                             (504, "proxy")])
+                                                                             (504, "proxy"), (500, "engine_dead")])
         seen = len(completions(eng))
         eng.configure(status=500, status_body="vllm", status_for_s=0)
         rid, _ = submit(api, ssid, 111, 9)
