@@ -269,6 +269,12 @@ class FuturesConfig:
     pending_ttl_s: float = 3600.0
     # Completed but never delivered.
     completed_ttl_s: float = 1800.0
+    # When a SUBMIT finds no room in the arena even after evicting delivered results, results
+    # completed this long ago and still not delivered (their client crashed or left: a live SDK
+    # fetches a result within seconds of its completion) are evicted, oldest first, to make room;
+    # they answer 410 and an SDK still waiting resubmits. 0: never (such results hold the arena
+    # until completed_ttl_s, and new samples get 429 meanwhile).
+    abandoned_after_s: float = 300.0
     # Grace after delivery, so a retry after a lost response still finds the result.
     retrieved_ttl_s: float = 120.0
     # How long one retrieve_future poll is held before a 408 try_again (well under the SDK's 45 s).
@@ -294,6 +300,7 @@ class FuturesConfig:
         for f in ("pending_ttl_s", "completed_ttl_s", "retrieved_ttl_s", "sweep_interval_s"):
             v = getattr(self, f)
             _check(v, f"futures.{f}", v > 0, "must be > 0")
+        _check(self.abandoned_after_s, "futures.abandoned_after_s", self.abandoned_after_s >= 0, "must be >= 0")
         _check(self.long_poll_s, "futures.long_poll_s", 0 < self.long_poll_s < 45,
                "must be > 0 and < 45 (the SDK abandons a poll after 45 s)")
         _check(self.retrieve_futures_max_ids, "futures.retrieve_futures_max_ids",

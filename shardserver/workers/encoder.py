@@ -18,8 +18,9 @@ A contiguous arena slot is reserved at SUBMIT for the largest result the
 request can produce; the completion is encoded into it and the unused tail
 is given back, so a completion always finds room. When no free block is
 large enough, delivered results in their grace window are evicted oldest
-first, and if that is not enough the SUBMIT is refused (the front-end answers
-429). Undelivered results are never evicted.
+first, then results completed over ``futures.abandoned_after_s`` ago and never
+delivered (their client is gone), oldest first; if that is not enough the SUBMIT
+is refused (the front-end answers 429). Other undelivered results are never evicted.
 
 Pending futures are bounded per shard: ``shards.max_pending`` futures and
 ``shards.max_pending_request_bytes`` of engine request bodies, beyond which
@@ -167,6 +168,9 @@ MIN_ENGINE_CALLS = 8
 # per latency) overshot: with 5 s engine queueing the limit was back at engine.pool_size, and
 # the answers over the budget again, within one latency of being cut.
 LIMIT_GROW_EVERY = 4
+# While a SUBMIT finds no room and no result is old enough to count as abandoned, the table is
+# walked for such results at most once per this many seconds (EncoderCore._evict_abandoned_until).
+ABANDONED_SCAN_S = 1.0
 # Receive buffers (shardserver.engine_http.BodyBuffers) no engine answer used for this long
 # (seconds) are freed at the next sweep.
 BUFFER_IDLE_S = 10.0
@@ -254,6 +258,7 @@ class EncoderCore:
         # Delivered results (DONE futures whose bytes a client got) in delivery order, oldest first:
         # the only results a full arena may evict.
         self.eviction_queue: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._abandoned_scan_at = 0.0  # monotonic s before which no walk for abandoned results is made
         self.reserved_bytes = 0
         self.state_counts: collections.Counter[str] = collections.Counter()
         self.delivered_count = 0  # futures in the table that were delivered at least once
@@ -513,6 +518,36 @@ class EncoderCore:
                 self.eviction_queue[keep] = None
                 self.eviction_queue.move_to_end(keep, last=False)
 
+    def _evict_abandoned_until(self, fits) -> bool:
+        """Evict results completed over ``futures.abandoned_after_s`` ago and never delivered,
+        oldest completion first, until ``fits()`` is true; each becomes GONE (its polls answer 410
+        ``abandoned``, so a client still waiting resubmits) and counts as ``evicted_abandoned``.
+
+        A live SDK fetches a result within seconds of its completion, so such results belong to
+        clients that crashed or left: without this they held the arena for
+        ``futures.completed_ttl_s`` (30 min) and every new sample of their size got 429. The table
+        is walked at most once per :data:`ABANDONED_SCAN_S` while nothing old enough is found.
+        """
+        after = self.cfg.futures.abandoned_after_s
+        now = time.monotonic()
+        if after <= 0 or now < self._abandoned_scan_at:
+            return False
+        # (a DONE future's deadline is its completion + completed_ttl_s)
+        cutoff = now - after + self.cfg.futures.completed_ttl_s
+        old = sorted((e.deadline, e.fid) for e in self.table.values()
+                     if e.state == FutureState.DONE and not e.delivered and e.slot is not None and e.deadline < cutoff)
+        for _, fid in old:
+            if fits():
+                return True
+            e = self.table[fid]
+            self._gone(e, f"abandoned: completed over {after:g} s ago and never retrieved, evicted to make room "
+                          f"(futures.abandoned_after_s); resubmit the request")
+            self.counters["evicted_abandoned"] += 1
+        if fits():
+            return True
+        self._abandoned_scan_at = now + ABANDONED_SCAN_S
+        return False
+
     # -- SUBMIT --------------------------------------------------------------------------
     def submit(self, req: SubmitRequest, body: bytes) -> SubmitReply:
         """Register a sample request and start its engine call.
@@ -565,7 +600,8 @@ class EncoderCore:
         # Reserve a real, contiguous slot now: the completion writes into it and gives back the
         # tail, so it can never fail for lack of (contiguous) space.
         slot = self.arena.alloc(payload)
-        if slot is None and self._evict_delivered_until(lambda: self.arena.largest_free() >= need):
+        if slot is None and (self._evict_delivered_until(lambda: self.arena.largest_free() >= need)
+                             or self._evict_abandoned_until(lambda: self.arena.largest_free() >= need)):
             slot = self.arena.alloc(payload)
         if slot is None:
             self.counters["rejected_429"] += 1
@@ -802,7 +838,7 @@ class EncoderCore:
             return
         self.arena.commit(slot, size)
         e.slot = slot
-        self._charge(e, slot.capacity)  # an undelivered result cannot be evicted: it stays on the key's share
+        self._charge(e, slot.capacity)  # undelivered: evicted only once abandoned, so it stays on the key's share
         self._set_state(e, FutureState.DONE)
         self.counters["completed"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)

@@ -126,6 +126,62 @@ def test_fragmented_arena_never_fails_an_accepted_request(core):
     asyncio.run(go())
 
 
+def _core_with(futures: dict, arena_bytes: int = 1 << 20):
+    name = segment_name(os.getpid(), "c0ffee01", random.randrange(10**6), 0)
+    create_segment(name, arena_bytes)
+    arena = ArenaWriter(name)
+    cfg = config_from_mapping({"shards": {"count": 1}, "futures": futures}, env={})
+    return EncoderCore(cfg, 0, arena, SimEngine(), IdSigner(b"k", "0badcafe")), arena, name
+
+
+@pytest.mark.parametrize("abandoned_after_s", [1.0, 0.0])
+def test_results_never_retrieved_are_evicted_for_new_work_once_abandoned(abandoned_after_s):
+    """Found by a break test: a trainer that submitted until the arena was full, then crashed
+    (or finished its session) without retrieving, locked every later sample of that size out
+    (429, which the SDK retries silently) for futures.completed_ttl_s, 30 min. Now a SUBMIT
+    that finds no room evicts results completed over futures.abandoned_after_s ago and never
+    delivered, oldest first; they answer 410 and count as evicted_abandoned. Younger ones stay,
+    and 0 keeps the old rule (never)."""
+    core, arena, name = _core_with({"abandoned_after_s": abandoned_after_s})
+
+    async def go():
+        rids = []
+        for i in range(4):  # 4 x ~240 KB in a 1 MiB arena: full
+            meta, body = _meta(i, 30000)
+            rids.append(core.submit(meta, body).request_id)
+            await asyncio.sleep(0.05)  # completions in submission order
+        await asyncio.sleep(0.2)
+        assert [core.table[r].state for r in rids] == ["done"] * 4
+        meta, body = _meta(10, 30000)
+        refused = core.submit(meta, body)  # too young to count as abandoned
+        assert isinstance(refused, SubmitRefused) and refused.reason is RefusalReason.NO_ROOM
+        assert core.counters.get("evicted_abandoned", 0) == 0
+        await asyncio.sleep(0.9)
+        core._abandoned_scan_at = 0.0  # (the refusal above holds further walks back for 1 s)
+        reply = core.submit(meta, body)
+        if not abandoned_after_s:
+            assert isinstance(reply, SubmitRefused) and reply.reason is RefusalReason.NO_ROOM
+            assert [core.table[r].state for r in rids] == ["done"] * 4
+            return
+        assert not isinstance(reply, SubmitRefused)
+        # the two oldest: each result's slot shrank to its size, so one hole is a little short
+        assert core.counters["evicted_abandoned"] == 2
+        assert [core.table[r].state for r in rids] == ["gone", "gone", "done", "done"]
+        gone = await core.poll(PollRequest(fid=rids[0], timeout=0))
+        assert isinstance(gone, PollGone) and gone.reason == (
+            "abandoned: completed over 1 s ago and never retrieved, evicted to make room "
+            "(futures.abandoned_after_s); resubmit the request")
+        await asyncio.sleep(0.3)
+        assert core.table[reply.request_id].state == "done"
+        _check_stages(core)
+
+    try:
+        asyncio.run(go())
+    finally:
+        arena.close()
+        unlink_segment(name)
+
+
 def test_sweep_drops_expired_and_counts_stay_consistent(core):
     async def go():
         core.engine.gate = asyncio.Event()
