@@ -32,6 +32,7 @@ SUBMIT     ``SubmitRequest``; blob: engine request body  ``SubmitAccepted`` or `
 POLL       ``PollRequest`` (fid, timeout s, want)        ``PollDone`` (arena, offset, length, generation,
                                                          form), ``PollPending``, ``PollFailed``, ``PollGone``
 DELIVERED  ``Delivered`` (fid)                           (none)
+SESSION_FINISHED ``SessionFinished`` (session, owner)     (none)
 STATS      ``StatsRequest``                              ``StatsReply``
 SESSION_   ``SessionPollRequest`` (sid, clone, after,    ``SessionPollReply`` (events: ``CompletionEvent``
 POLL       upto, limit, acks, timeout s)                 fid/stamp/ok/size, more, woke)
@@ -56,6 +57,7 @@ from .messages import (
     CancelRequest,
     ControlProtocolError,
     Delivered,
+    SessionFinished,
     ErrorReply,
     Kind,
     PollFailed,
@@ -292,6 +294,11 @@ class ControlClient:
     def delivered(self, fid: str) -> bool:
         """DELIVERED (one-way): the result of ``fid`` reached a connected client. False if not connected."""
         return self.send(Kind.DELIVERED, Delivered(fid=fid))
+
+    def session_finished(self, session: str, owner: str) -> bool:
+        """SESSION_FINISHED (one-way): the client closed the session whose ID ends in ``session``
+        (16 characters); its undelivered results count as abandoned. False if not connected."""
+        return self.send(Kind.SESSION_FINISHED, SessionFinished(session=session, owner=owner))
 
     async def stats(self, timeout: float | None = None) -> StatsReply:
         """STATS: the shard's counters and gauges.

@@ -11,6 +11,7 @@ looking for keys::
     STATS      StatsRequest                                     -> StatsReply
     SESSION_POLL SessionPollRequest                             -> SessionPollReply
     CANCEL     CancelRequest                                    -> CancelReply
+    SESSION_FINISHED SessionFinished                            -> (no reply)
 
 Any request may instead be answered with an :class:`ErrorReply` in an ``ERROR`` frame (the
 handler raised, or the request could not be decoded); :class:`shardserver.control.ControlClient`
@@ -41,6 +42,7 @@ __all__ = [
     "SubmitRequest",
     "PollRequest",
     "Delivered",
+    "SessionFinished",
     "StatsRequest",
     "SessionPollRequest",
     "CancelRequest",
@@ -78,6 +80,7 @@ class Kind(enum.IntEnum):
     STATS = 4
     SESSION_POLL = 5
     CANCEL = 6
+    SESSION_FINISHED = 7
     REPLY = 128   # the answer to the request with the same tag
     ERROR = 129   # the request with the same tag could not be handled: meta is an ErrorReply
 
@@ -171,6 +174,22 @@ class Delivered(_Message, kw_only=True):
     connected client, so the shard starts its retrieved TTL."""
 
     fid: str
+
+
+class SessionFinished(_Message, kw_only=True):
+    """One-way (kind SESSION_FINISHED, tag 0): the SDK closed a session
+    (``POST /api/v1/sessions/{id}/finish``, tinker >= 0.27 on ``ServiceClient.close()``), so the
+    results of its sampling sessions that were never delivered count as abandoned at once
+    (``futures.abandoned_after_s``): a SUBMIT that finds no room may evict them.
+
+    Attributes:
+        session: the session ID's last 16 characters, as its sampling-session IDs carry it
+            (:meth:`shardserver.ids.IdSigner.mint_sampling_session_id`).
+        owner: the API key's owner tag the session is bound to ("" in open mode).
+    """
+
+    session: str
+    owner: str = ""
 
 
 class StatsRequest(_Message, kw_only=True):
@@ -415,6 +434,7 @@ REQUEST_TYPES: dict[Kind, type[_Message]] = {
     Kind.STATS: StatsRequest,
     Kind.SESSION_POLL: SessionPollRequest,
     Kind.CANCEL: CancelRequest,
+    Kind.SESSION_FINISHED: SessionFinished,
 }
 """The request struct of each request kind."""
 

@@ -71,9 +71,18 @@ async def session_heartbeat(request: Request) -> JSONResponse:
 
 @router.post("/api/v1/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request) -> JSONResponse:
-    """``{}``: there is nothing to release."""
+    """``{}``. The SDK (tinker >= 0.27, ``ServiceClient.close()``) is done with the session: every
+    shard is told (SESSION_FINISHED), so the results of its sampling sessions that were never
+    retrieved may be evicted at once when a new sample finds no room (``futures.abandoned_after_s``
+    otherwise). An ID this server did not sign for this owner changes nothing (still ``{}``: the
+    SDK ignores the answer)."""
     await read_json(request)
-    return JSONResponse({}, headers=context(request).fe_header)
+    ctx = context(request)
+    owner = owner_of(request)
+    if ctx.signer.check_session_id(session_id, owner):
+        for c in ctx.clients:
+            c.session_finished(session_id[-16:], owner)
+    return JSONResponse({}, headers=ctx.fe_header)
 
 
 @router.post("/api/v1/telemetry")

@@ -79,6 +79,7 @@ from ..messages import (
     CancelRequest,
     CompletionEvent,
     Delivered,
+    SessionFinished,
     ErrorReply,
     FutureState,
     PollDone,
@@ -171,6 +172,8 @@ LIMIT_GROW_EVERY = 4
 # While a SUBMIT finds no room and no result is old enough to count as abandoned, the table is
 # walked for such results at most once per this many seconds (EncoderCore._evict_abandoned_until).
 ABANDONED_SCAN_S = 1.0
+# The most closed sessions an encoder remembers (EncoderCore.finished_sessions; ~200 bytes each).
+FINISHED_SESSIONS_KEPT = 10_000
 # Receive buffers (shardserver.engine_http.BodyBuffers) no engine answer used for this long
 # (seconds) are freed at the next sweep.
 BUFFER_IDLE_S = 10.0
@@ -259,6 +262,9 @@ class EncoderCore:
         # the only results a full arena may evict.
         self.eviction_queue: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._abandoned_scan_at = 0.0  # monotonic s before which no walk for abandoned results is made
+        # Sessions their SDK closed (SESSION_FINISHED): (session ID's last 16 chars, owner) -> when
+        # (monotonic s); forgotten after futures.completed_ttl_s, at most FINISHED_SESSIONS_KEPT.
+        self.finished_sessions: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         self.reserved_bytes = 0
         self.state_counts: collections.Counter[str] = collections.Counter()
         self.delivered_count = 0  # futures in the table that were delivered at least once
@@ -519,9 +525,10 @@ class EncoderCore:
                 self.eviction_queue.move_to_end(keep, last=False)
 
     def _evict_abandoned_until(self, fits) -> bool:
-        """Evict results completed over ``futures.abandoned_after_s`` ago and never delivered,
-        oldest completion first, until ``fits()`` is true; each becomes GONE (its polls answer 410
-        ``abandoned``, so a client still waiting resubmits) and counts as ``evicted_abandoned``.
+        """Evict results never delivered whose session the client closed (SESSION_FINISHED), then
+        those completed over ``futures.abandoned_after_s`` ago, oldest completion first, until
+        ``fits()`` is true; each becomes GONE (its polls answer 410 ``abandoned``, so a client
+        still waiting resubmits) and counts as ``evicted_abandoned``.
 
         A live SDK fetches a result within seconds of its completion, so such results belong to
         clients that crashed or left: without this they held the arena for
@@ -534,19 +541,50 @@ class EncoderCore:
             return False
         # (a DONE future's deadline is its completion + completed_ttl_s)
         cutoff = now - after + self.cfg.futures.completed_ttl_s
-        old = sorted((e.deadline, e.fid) for e in self.table.values()
-                     if e.state == FutureState.DONE and not e.delivered and e.slot is not None and e.deadline < cutoff)
-        for _, fid in old:
+        finished = self.finished_sessions
+        old = []
+        for e in self.table.values():
+            if e.state != FutureState.DONE or e.delivered or e.slot is None:
+                continue
+            closed = bool(finished) and self._session_closed(e)
+            if closed or e.deadline < cutoff:
+                old.append((not closed, e.deadline, e.fid))  # closed sessions' results first
+        old.sort()
+        for not_closed, _, fid in old:
             if fits():
                 return True
             e = self.table[fid]
-            self._gone(e, f"abandoned: completed over {after:g} s ago and never retrieved, evicted to make room "
-                          f"(futures.abandoned_after_s); resubmit the request")
+            why = (f"completed over {after:g} s ago and never retrieved" if not_closed
+                   else "never retrieved, and its session was closed by the client (sessions/{id}/finish)")
+            self._gone(e, f"abandoned: {why}; evicted to make room (futures.abandoned_after_s); resubmit the request")
             self.counters["evicted_abandoned"] += 1
         if fits():
             return True
         self._abandoned_scan_at = now + ABANDONED_SCAN_S
         return False
+
+    def _session_closed(self, e: FutureEntry) -> bool:
+        """Whether the session of ``e``'s sampling session was closed (SESSION_FINISHED)."""
+        if e.key is None:
+            return False
+        sess = self.signer.open_sampling_session_id(e.key[0], e.owner)
+        return sess is not None and (sess.session_id, e.owner) in self.finished_sessions
+
+    def session_finished(self, session: str, owner: str) -> None:
+        """SESSION_FINISHED: the client closed the session whose ID ends in ``session`` (16
+        characters; bound to ``owner``). Its sampling sessions' results never retrieved count as
+        abandoned from now on (:meth:`_evict_abandoned_until`). Remembered for
+        ``futures.completed_ttl_s`` (every such result is gone by then), at most
+        :data:`FINISHED_SESSIONS_KEPT` sessions."""
+        now = time.monotonic()
+        f = self.finished_sessions
+        f[(session, owner)] = now
+        f.move_to_end((session, owner))
+        ttl = self.cfg.futures.completed_ttl_s
+        while f and (len(f) > FINISHED_SESSIONS_KEPT or next(iter(f.values())) < now - ttl):
+            f.popitem(last=False)
+        self._abandoned_scan_at = 0.0  # the next SUBMIT that finds no room looks again
+        self.counters["sessions_finished"] += 1
 
     # -- SUBMIT --------------------------------------------------------------------------
     def submit(self, req: SubmitRequest, body: bytes) -> SubmitReply:
@@ -1113,6 +1151,9 @@ class EncoderCore:
             return self.submit(msg, blob)
         if isinstance(msg, Delivered):
             self.delivered_ok(msg.fid)
+            return None
+        if isinstance(msg, SessionFinished):
+            self.session_finished(msg.session, msg.owner)
             return None
         if isinstance(msg, StatsRequest):
             return self.stats()

@@ -284,3 +284,44 @@ def test_a_result_that_can_never_fit_the_arena_is_400_naming_the_numbers():
                            sampling_params=types.SamplingParams(seed=1)).result(60)
         assert time.monotonic() - t0 < 30
         assert s.stats()["shards"][0]["counters"].get("rejected_429", 0) == 0
+
+
+def test_a_closed_sessions_unretrieved_results_make_room_for_another_trainer():
+    """Found by a break test: a trainer that filled the arena, then closed its session
+    (``sessions/{id}/finish``, what tinker >= 0.27 sends on ``ServiceClient.close()``) without
+    retrieving, locked every other trainer's samples of that size out (429, retried silently by
+    the SDK) for futures.completed_ttl_s (30 min). Now the finish reaches every shard and those
+    results are evicted for the next sample that finds no room; they answer 410. A finish for a
+    session ID the server did not sign changes nothing."""
+    with RunningServer(env=TINY_ONE_SHARD) as s:
+        api = Api(s.url)
+        st, _, b = api.post("/api/v1/create_session", {"tags": [], "user_metadata": {}})
+        session = json.loads(b)["session_id"]
+        st, _, b = api.post("/api/v1/create_sampling_session", {"session_id": session, "base_model": BASE_MODEL})
+        ssid_a = json.loads(b)["sampling_session_id"]
+        big = {"num_samples": 1, "sampling_params": {"max_tokens": 32768, "seed": 1}}
+        rids = [json.loads(api.post("/api/v1/asample", {**big, "sampling_session_id": ssid_a, "seq_id": i,
+                                                         "prompt": {"chunks": [{"tokens": [i, 5]}]}})[2])["request_id"]
+                for i in range(3)]
+        time.sleep(1.0)  # all three completed, none retrieved
+        ssid_b = api.sampling_session()
+        ask_b = {**big, "sampling_session_id": ssid_b, "seq_id": 0, "prompt": {"chunks": [{"tokens": [7, 7]}]}}
+        assert api.post("/api/v1/asample", ask_b)[0] == 429
+        assert api.post("/api/v1/sessions/s-not-ours/finish", {"reason": {"type": "success"}}) [:1] == (200,)
+        assert api.post("/api/v1/asample", ask_b)[0] == 429
+        st, _, b = api.post(f"/api/v1/sessions/{session}/finish", {"reason": {"type": "success"}})
+        assert (st, json.loads(b)) == (200, {})
+        deadline = time.monotonic() + 5
+        st = 429
+        while st == 429 and time.monotonic() < deadline:  # (the one-way message reaches the shard first)
+            st, _, b = api.post("/api/v1/asample", ask_b)
+            time.sleep(0.05)
+        assert st == 200, b
+        rid_b = json.loads(b)["request_id"]
+        gone = [api.post("/api/v1/retrieve_future", {"request_id": r}) for r in rids]
+        assert [g[0] for g in gone].count(410) >= 1
+        assert all(json.loads(g[2])["error"].startswith("future abandoned: never retrieved, and its session was closed")
+                   for g in gone if g[0] == 410), [(g[0], g[2][:300]) for g in gone]
+        st, _, b = api.post("/api/v1/retrieve_future", {"request_id": rid_b})
+        assert st == 200 and len(json.loads(b)["sequences"][0]["tokens"]) == 32768
+        assert s.stats()["shards"][0]["counters"]["evicted_abandoned"] == [g[0] for g in gone].count(410)

@@ -169,10 +169,52 @@ def test_results_never_retrieved_are_evicted_for_new_work_once_abandoned(abandon
         assert [core.table[r].state for r in rids] == ["gone", "gone", "done", "done"]
         gone = await core.poll(PollRequest(fid=rids[0], timeout=0))
         assert isinstance(gone, PollGone) and gone.reason == (
-            "abandoned: completed over 1 s ago and never retrieved, evicted to make room "
+            "abandoned: completed over 1 s ago and never retrieved; evicted to make room "
             "(futures.abandoned_after_s); resubmit the request")
         await asyncio.sleep(0.3)
         assert core.table[reply.request_id].state == "done"
+        _check_stages(core)
+
+    try:
+        asyncio.run(go())
+    finally:
+        arena.close()
+        unlink_segment(name)
+
+
+def test_results_of_a_session_its_client_closed_are_evicted_for_new_work_at_once():
+    """The SDK closes its session (sessions/{id}/finish, ServiceClient.close() in tinker >= 0.27)
+    with results never retrieved: a SUBMIT that finds no room evicts those at once, long before
+    futures.abandoned_after_s, and only those; another session's results stay."""
+    from shardserver.ids import SamplingSession
+    from shardserver.messages import SessionFinished
+
+    core, arena, name = _core_with({"abandoned_after_s": 300})
+    signer = core.signer
+    sessions = [signer.mint_session_id("") for _ in range(2)]
+    ssids = [signer.mint_sampling_session_id(SamplingSession(session_id=s, base_model="m", model_path=None, seq=0))
+             for s in sessions]
+
+    async def go():
+        rids = []
+        for i in range(4):  # sessions 0, 0, 1, 1: the arena is full
+            meta, body = _meta(i, 30000, sid=ssids[i // 2])
+            rids.append(core.submit(meta, body).request_id)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        meta, body = _meta(10, 30000, sid=ssids[1])
+        assert core.submit(meta, body).reason is RefusalReason.NO_ROOM
+        assert await core.handle(SessionFinished(session=sessions[0][-16:], owner="other"), b"") is None
+        assert core.submit(meta, body).reason is RefusalReason.NO_ROOM  # another owner's: not this session
+        await core.handle(SessionFinished(session=sessions[0][-16:], owner=""), b"")
+        reply = core.submit(meta, body)
+        assert not isinstance(reply, SubmitRefused)
+        assert core.counters["evicted_abandoned"] == 2 and core.counters["sessions_finished"] == 2
+        assert [core.table[r].state for r in rids] == ["gone", "gone", "done", "done"]
+        gone = await core.poll(PollRequest(fid=rids[0], timeout=0))
+        assert isinstance(gone, PollGone) and gone.reason == (
+            "abandoned: never retrieved, and its session was closed by the client (sessions/{id}/finish); "
+            "evicted to make room (futures.abandoned_after_s); resubmit the request")
         _check_stages(core)
 
     try:
