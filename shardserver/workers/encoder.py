@@ -524,11 +524,12 @@ class EncoderCore:
                 self.eviction_queue[keep] = None
                 self.eviction_queue.move_to_end(keep, last=False)
 
-    def _evict_abandoned_until(self, fits) -> bool:
+    def _evict_abandoned_until(self, fits, owner: str | None = None) -> bool:
         """Evict results never delivered whose session the client closed (SESSION_FINISHED), then
         those completed over ``futures.abandoned_after_s`` ago, oldest completion first, until
         ``fits()`` is true; each becomes GONE (its polls answer 410 ``abandoned``, so a client
-        still waiting resubmits) and counts as ``evicted_abandoned``.
+        still waiting resubmits) and counts as ``evicted_abandoned``. ``owner``: only that API
+        key's results (its share of the arena is full, ``auth.key_share``).
 
         A live SDK fetches a result within seconds of its completion, so such results belong to
         clients that crashed or left: without this they held the arena for
@@ -544,7 +545,7 @@ class EncoderCore:
         finished = self.finished_sessions
         old = []
         for e in self.table.values():
-            if e.state != FutureState.DONE or e.delivered or e.slot is None:
+            if e.state != FutureState.DONE or e.delivered or e.slot is None or (owner is not None and e.owner != owner):
                 continue
             closed = bool(finished) and self._session_closed(e)
             if closed or e.deadline < cutoff:
@@ -691,7 +692,9 @@ class EncoderCore:
             what = (f"this API key holds {u.request_bytes} bytes of engine requests on shard {shard}; {body_bytes} "
                     f"more would pass its share of shards.max_pending_request_bytes (auth.key_share={share:.4g} x "
                     f"{sc.max_pending_request_bytes} = {int(share * sc.max_pending_request_bytes)})")
-        elif u.arena_bytes and u.arena_bytes + arena_bytes > share * self.arena.size:
+        elif u.arena_bytes and u.arena_bytes + arena_bytes > share * self.arena.size and not self._evict_abandoned_until(
+                lambda: u.arena_bytes + arena_bytes <= share * self.arena.size, owner):
+            # (the key's own abandoned results, e.g. a crashed trainer's, were evicted first if any)
             what = (f"this API key holds {u.arena_bytes} bytes of shard {shard}'s arena (reservations and results "
                     f"not retrieved yet); {arena_bytes} more would pass its share of shards.arena_bytes "
                     f"(auth.key_share={share:.4g} x {self.arena.size} = {int(share * self.arena.size)})")

@@ -352,6 +352,42 @@ def test_key_usage_follows_each_future_to_the_end():
         unlink_segment(name)
 
 
+def test_a_keys_abandoned_results_make_room_within_its_own_share():
+    """auth.mode = "keys": a trainer that crashed with its key's share of the arena full of
+    results it never retrieved locked the restarted trainer (the same key) out with KEY_QUOTA
+    429 for futures.completed_ttl_s. Once abandoned (futures.abandoned_after_s), that key's own
+    results are evicted for its new sample; another key's results are never touched."""
+    name = segment_name(os.getpid(), "c0ffee02", random.randrange(10**6), 0)
+    create_segment(name, 1 << 20)
+    arena = ArenaWriter(name)
+    cfg = config_from_mapping({"shards": {"count": 1}, "auth": {"mode": "keys", "key_share": 0.5},
+                               "futures": {"abandoned_after_s": 1.0}}, env={})
+    c = EncoderCore(cfg, 0, arena, SimEngine(), IdSigner(b"k", "0badcafe"))
+
+    def submit(seq: int, owner: str):
+        meta, body = _meta(seq, 30000)  # ~240 KB: two fill a key's half of the 1 MiB arena
+        return c.submit(SubmitRequest(sid=meta.sid, seq=seq, owner=owner, n=1, reserve_bytes=meta.reserve_bytes),
+                        body)
+
+    async def go():
+        a = [submit(1, "a").request_id, submit(2, "a").request_id]
+        b = submit(3, "b").request_id
+        await asyncio.sleep(0.3)
+        refused = submit(4, "a")
+        assert isinstance(refused, SubmitRefused) and refused.reason == RefusalReason.KEY_QUOTA
+        await asyncio.sleep(1.0)
+        c._abandoned_scan_at = 0.0  # (the refusal above holds further walks back for 1 s)
+        assert not isinstance(submit(5, "a"), SubmitRefused)
+        assert c.counters["evicted_abandoned"] == 1
+        assert [c.table[f].state for f in (*a, b)] == ["gone", "done", "done"]
+
+    try:
+        asyncio.run(go())
+    finally:
+        arena.close()
+        unlink_segment(name)
+
+
 # -- the session-wide poller (SESSION_POLL) and CANCEL ----------------------------------------------
 def _sp(sid="s", clone=0, after=0, upto=None, limit=100, acks=(), timeout=0.0) -> SessionPollRequest:
     import time
