@@ -7,6 +7,7 @@ so the shard's bookkeeping can be checked step by step against exact arena numbe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -126,12 +127,19 @@ def test_fragmented_arena_never_fails_an_accepted_request(core):
     asyncio.run(go())
 
 
-def _core_with(futures: dict, arena_bytes: int = 1 << 20):
+@contextlib.contextmanager
+def _core_with(futures: dict, arena_bytes: int = 1 << 20, **sections: dict):
+    """An EncoderCore on a fresh arena of ``arena_bytes`` with these ``futures`` keys (and other
+    config sections); the arena is closed and its segment unlinked on leaving."""
     name = segment_name(os.getpid(), "c0ffee01", random.randrange(10**6), 0)
     create_segment(name, arena_bytes)
     arena = ArenaWriter(name)
-    cfg = config_from_mapping({"shards": {"count": 1}, "futures": futures}, env={})
-    return EncoderCore(cfg, 0, arena, SimEngine(), IdSigner(b"k", "0badcafe")), arena, name
+    cfg = config_from_mapping({"shards": {"count": 1}, "futures": futures, **sections}, env={})
+    try:
+        yield EncoderCore(cfg, 0, arena, SimEngine(), IdSigner(b"k", "0badcafe"))
+    finally:
+        arena.close()
+        unlink_segment(name)
 
 
 @pytest.mark.parametrize("abandoned_after_s", [1.0, 0.0])
@@ -142,7 +150,6 @@ def test_results_never_retrieved_are_evicted_for_new_work_once_abandoned(abandon
     that finds no room evicts results completed over futures.abandoned_after_s ago and never
     delivered, oldest first; they answer 410 and count as evicted_abandoned. Younger ones stay,
     and 0 keeps the old rule (never)."""
-    core, arena, name = _core_with({"abandoned_after_s": abandoned_after_s})
 
     async def go():
         rids = []
@@ -175,11 +182,8 @@ def test_results_never_retrieved_are_evicted_for_new_work_once_abandoned(abandon
         assert core.table[reply.request_id].state == "done"
         _check_stages(core)
 
-    try:
+    with _core_with({"abandoned_after_s": abandoned_after_s}) as core:
         asyncio.run(go())
-    finally:
-        arena.close()
-        unlink_segment(name)
 
 
 def test_results_of_a_session_its_client_closed_are_evicted_for_new_work_at_once():
@@ -189,8 +193,7 @@ def test_results_of_a_session_its_client_closed_are_evicted_for_new_work_at_once
     from shardserver.ids import SamplingSession
     from shardserver.messages import SessionFinished
 
-    core, arena, name = _core_with({"abandoned_after_s": 300})
-    signer = core.signer
+    signer = IdSigner(b"k", "0badcafe")  # (the core's: the same key and run)
     sessions = [signer.mint_session_id("") for _ in range(2)]
     ssids = [signer.mint_sampling_session_id(SamplingSession(session_id=s, base_model="m", model_path=None, seq=0))
              for s in sessions]
@@ -217,11 +220,8 @@ def test_results_of_a_session_its_client_closed_are_evicted_for_new_work_at_once
             "evicted to make room (futures.abandoned_after_s); resubmit the request")
         _check_stages(core)
 
-    try:
+    with _core_with({"abandoned_after_s": 300}) as core:
         asyncio.run(go())
-    finally:
-        arena.close()
-        unlink_segment(name)
 
 
 def test_sweep_drops_expired_and_counts_stay_consistent(core):
@@ -357,12 +357,6 @@ def test_a_keys_abandoned_results_make_room_within_its_own_share():
     results it never retrieved locked the restarted trainer (the same key) out with KEY_QUOTA
     429 for futures.completed_ttl_s. Once abandoned (futures.abandoned_after_s), that key's own
     results are evicted for its new sample; another key's results are never touched."""
-    name = segment_name(os.getpid(), "c0ffee02", random.randrange(10**6), 0)
-    create_segment(name, 1 << 20)
-    arena = ArenaWriter(name)
-    cfg = config_from_mapping({"shards": {"count": 1}, "auth": {"mode": "keys", "key_share": 0.5},
-                               "futures": {"abandoned_after_s": 1.0}}, env={})
-    c = EncoderCore(cfg, 0, arena, SimEngine(), IdSigner(b"k", "0badcafe"))
 
     def submit(seq: int, owner: str):
         meta, body = _meta(seq, 30000)  # ~240 KB: two fill a key's half of the 1 MiB arena
@@ -381,11 +375,8 @@ def test_a_keys_abandoned_results_make_room_within_its_own_share():
         assert c.counters["evicted_abandoned"] == 1
         assert [c.table[f].state for f in (*a, b)] == ["gone", "done", "done"]
 
-    try:
+    with _core_with({"abandoned_after_s": 1.0}, auth={"mode": "keys", "key_share": 0.5}) as c:
         asyncio.run(go())
-    finally:
-        arena.close()
-        unlink_segment(name)
 
 
 # -- the session-wide poller (SESSION_POLL) and CANCEL ----------------------------------------------
