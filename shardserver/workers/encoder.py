@@ -557,7 +557,7 @@ class EncoderCore:
             e = self.table[fid]
             why = (f"completed over {after:g} s ago and never retrieved" if not_closed
                    else "never retrieved, and its session was closed by the client (sessions/{id}/finish)")
-            self._gone(e, f"abandoned: {why}; evicted to make room (futures.abandoned_after_s); resubmit the request")
+            self._gone(e, f"abandoned: {why}; evicted to make room (futures.abandoned_after_s)")
             self.counters["evicted_abandoned"] += 1
         if fits():
             return True

@@ -382,10 +382,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         cycle = self.cycle
         early = cycle is not None and cycle.more_body  # answered before the request's body was complete
+        queued = bool(self.pipeline)  # (super() starts the next pipelined request, if any)
         super().on_response_complete()
         if self.transport.is_closing():
             return
-        if self._peer_eof and not self.pipeline:
+        if self._peer_eof and not queued:
             self._unset_keepalive_if_required()
             self.transport.close()  # every request the half-closed client sent is answered
             return

@@ -394,6 +394,8 @@ def test_a_client_that_half_closes_after_its_requests_gets_every_answer_then_eof
     got, _ = asyncio.run(half_close(two))
     assert got.count(b"HTTP/1.1 200 OK\r\n") == 2, got
     assert got.index(b"HTTP/1.1 200 OK\r\n", 1) > got.index(b"\r\n\r\n"), got  # in order, both whole
+    got, _ = asyncio.run(half_close(one * 5))  # the last one used to be cut: 4 answers, then a close
+    assert got.count(b"HTTP/1.1 200 OK\r\n") == 5 and got.endswith(b"}"), got
 
     cut = b"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
     got, dt = asyncio.run(half_close(cut))
