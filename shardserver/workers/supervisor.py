@@ -74,11 +74,13 @@ RUN_DIR_PREFIX = "shardserver-run-"
 CRASH_LOOP_WINDOW_S = 10.0
 # An address in use is retried this long at start (children of a crashed run closing it).
 BIND_RETRY_S = 1.0
-# The supervisor's loop checks heartbeats every ~0.2 s: a gap of more than this many seconds
-# between two checks means the supervisor itself was not running (the whole process group or
+# The supervisor's loop waits 0.2 s at a time for a child to exit: a wait that returns more than
+# this many seconds late means the supervisor itself was not running (the whole process group or
 # host was paused: SIGSTOP/SIGCONT, `docker pause`, a VM stun). Its children were stopped too, so
-# their heartbeats are judged from the resume on, not from before the pause.
+# their heartbeats are judged from the resume on, not from before the pause. (Work the loop does
+# between waits, such as restarting a child, is not taken for a pause.)
 SUPERVISOR_STALL_S = 2.0
+_SUPERVISE_WAIT_S = 0.2
 
 
 class StartupError(RuntimeError):
@@ -219,7 +221,6 @@ class Supervisor:
         self.cfg = cfg
         self.on_ready = on_ready
         self.pid = os.getpid()
-        self._last_check = 0.0  # time.monotonic() of the last liveness check
         self._judge_from = 0.0  # heartbeats older than this (a pause of the supervisor) count from it
         self.run_id = os.urandom(4).hex()
         # The ID signing secret, kept across restarts (ConfigError naming server.state_dir if
@@ -477,7 +478,6 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _supervise(self) -> None:
-        self._last_check = time.monotonic()  # (a pause right after the start is one too)
         while not self._signals:
             children = [c for c in (*self.encoders, *self.front_ends, *([self.sim] if self.sim else []))]
             now = time.monotonic()
@@ -486,7 +486,14 @@ class Supervisor:
                     c.restart_at = 0.0
                     self._restart(c)
             sentinels = {c.proc.sentinel: c for c in children if c.proc is not None and not c.restart_at}
-            ready = mpc.wait(list(sentinels), timeout=0.2)
+            waited_from = time.monotonic()
+            ready = mpc.wait(list(sentinels), timeout=_SUPERVISE_WAIT_S)
+            late = time.monotonic() - waited_from - _SUPERVISE_WAIT_S
+            if late > SUPERVISOR_STALL_S:
+                log.warning("the supervisor did not run for %.1f s (the process group or host was paused): the "
+                            "children's heartbeats are judged from now on (server.liveness_timeout_s = %g)",
+                            late + _SUPERVISE_WAIT_S, self.cfg.server.liveness_timeout_s)
+                self._judge_from = time.monotonic()
             if self._signals:
                 break
             for s in ready:
@@ -500,22 +507,16 @@ class Supervisor:
         ``server.liveness_timeout_s`` (stopped, or its event loop blocked: alive, but holding its
         share of the connections or futures forever).
 
-        A gap of over :data:`SUPERVISOR_STALL_S` since the last check means the supervisor was
-        paused with its children (a group SIGSTOP, ``docker pause``): every child then gets the
-        full bound again from the resume, instead of being killed, healthy, for the time it was
-        frozen with everyone else."""
+        After the supervisor was paused with its children (a group SIGSTOP, ``docker pause``: its
+        wait in :meth:`_supervise` returned over :data:`SUPERVISOR_STALL_S` late), every child gets
+        the full bound again from the resume, instead of being killed, healthy, for the time it
+        was frozen with everyone else."""
         bound = self.cfg.server.liveness_timeout_s
         if self.heartbeats is None or bound <= 0:
             return
         from ..metrics import count_worker_hung_kill
 
         now = time.monotonic()
-        if self._last_check and now - self._last_check > SUPERVISOR_STALL_S:
-            log.warning("the supervisor did not run for %.1f s (the process group or host was paused): the "
-                        "children's heartbeats are judged from now on (server.liveness_timeout_s = %g)",
-                        now - self._last_check, bound)
-            self._judge_from = now
-        self._last_check = now
         for c in (*self.encoders, *self.front_ends):
             if c.proc is None or c.restart_at or c.proc.exitcode is not None:
                 continue
