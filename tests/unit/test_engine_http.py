@@ -732,7 +732,8 @@ def test_an_answer_that_goes_silent_after_its_header_section_is_a_broken_connect
             with pytest.raises(Broken, match=r"no answer byte for 0.25 s after \d+ body bytes") as e:
                 await pool.post(b"{}", {}, limit=1 << 20)
             assert (e.value.answered, e.value.reused) == (True, False)
-            assert 0.25 <= time.monotonic() - t0 < 2.5 and held[0] == 0
+            # (0.24: uvloop's timers run on millisecond ticks and may fire up to 1 ms early)
+            assert 0.24 <= time.monotonic() - t0 < 2.5 and held[0] == 0
             status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
             assert (status, bytes(body)) == (200, BODY)
             await pool.close()
