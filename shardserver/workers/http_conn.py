@@ -24,7 +24,10 @@ else (HTTP parsing, the ASGI cycle, graceful waiting):
   headers to ``server.max_header_bytes`` (httptools has no bound of its own and concatenates a
   header value piece by piece): beyond it, ``431`` and close. During a drain every
   response carries ``Connection: close`` and idle connections are closed after
-  :data:`DRAIN_IDLE_S` without a new request.
+  :data:`DRAIN_IDLE_S` without a new request. No idle close (drain, keep-alive timeout,
+  eviction at the cap) happens while the client's next request waits unread in the socket
+  (``FIONREAD``): a busy event loop runs due timers before its reads, and a close with unread
+  bytes resets them.
 
 Metrics (``docs/OPERATIONS.md``): ``shardserver_connections_open`` (gauge),
 ``shardserver_connection_timeouts_total{phase}``, ``shardserver_connection_cap_reached_total``,
@@ -38,12 +41,15 @@ Relies on these attributes of uvicorn's ``HttpToolsProtocol`` (uvicorn 0.30 - 0.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import errno
+import fcntl
 import logging
 import resource
 import socket
 import struct
+import termios
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -228,6 +234,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         phase, self._timer, self._phase = self._phase, None, ""
         if self.transport.is_closing():
             return
+        if phase == "drain" and self.unread_bytes():
+            # A request arrived while the event loop was busy past DRAIN_IDLE_S: the loop runs due
+            # timers before it reads, so it is still in the socket. Closing now would reset it
+            # (a close with unread data sends RST); read and answer it (Connection: close) instead.
+            self._arm("drain", DRAIN_IDLE_S)
+            return
         if phase in ("drain", "linger"):
             self.transport.close()  # idle through the drain's grace, or the linger is over
             return
@@ -248,6 +260,30 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         self.transport.close()
+
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's keep-alive timeout (``server.keep_alive_s`` idle after a response): close,
+        unless the client's next request is already in the socket, unread because the event
+        loop ran this timer before its reads (closing then would reset that request)."""
+        if self.transport.is_closing():
+            return
+        if self.unread_bytes():
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            return
+        self.transport.close()
+
+    def unread_bytes(self) -> int:
+        """Bytes the client sent that are still in the kernel's receive queue, not yet read by the
+        event loop (``FIONREAD``); 0 when none, or when the socket cannot be asked."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return 0
+        buf = array.array("i", [0])
+        try:
+            fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf, True)
+        except (OSError, ValueError):
+            return 0
+        return buf[0]
 
     # -- connection -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -624,9 +660,12 @@ class Listener:
 
     def _evictable(self) -> GatewayHttpProtocol | None:
         """At the cap: the longest-idle keep-alive connection if it idled at least
-        :data:`EVICT_MIN_IDLE_S`; else None, and accepting stops until a connection closes (or
+        :data:`EVICT_MIN_IDLE_S` (one whose next request already waits unread in its socket is
+        passed over: closing it would reset that request); else None, and accepting stops until a connection closes (or
         the longest-idle one has idled long enough)."""
         for proto in self._idle:
+            if proto.unread_bytes():
+                continue  # its next request is already here, unread (the loop was busy): not idle
             idle_s = time.monotonic() - proto.idle_since
             if idle_s >= EVICT_MIN_IDLE_S:
                 return proto

@@ -549,3 +549,144 @@ def test_rate_limited_log_keeps_each_kind_apart_and_flushes_what_it_folded() -> 
 
     asyncio.run(main())
     assert len(lines) == 4
+
+
+def _gateway_protocol_factory(loop: asyncio.AbstractEventLoop, made: list, listener=None):
+    """A factory of real :class:`GatewayHttpProtocol` instances (uvicorn config, a tiny ASGI app
+    answering 200 ``ok``); each instance is appended to ``made``."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from shardserver.workers.http_conn import ConnectionLimits, GatewayHttpProtocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    config = uvicorn.Config(app, log_level="warning", lifespan="off")
+    config.load()
+    state = ServerState()
+
+    def factory():
+        proto = GatewayHttpProtocol(config=config, server_state=state, app_state={}, _loop=loop,
+                                    limits=ConnectionLimits(header_timeout_s=30, body_timeout_s=30),
+                                    listener=listener)
+        made.append(proto)
+        return proto
+
+    return factory
+
+
+async def _recv_until(client, end: bytes, tries: int = 200) -> bytes:
+    """Read a non-blocking client socket every 10 ms until the bytes end with ``end``, it is
+    closed, or ``tries`` reads; returns what arrived (ConnectionResetError propagates)."""
+    got = b""
+    for _ in range(tries):
+        await asyncio.sleep(0.01)
+        try:
+            chunk = client.recv(65536)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            break
+        got += chunk
+        if got.endswith(end):
+            break
+    return got
+
+
+@pytest.mark.parametrize("timer", ["drain", "keep-alive"])
+def test_an_idle_timer_does_not_reset_a_request_already_in_the_socket(timer):
+    """Found by CI (tests/e2e/test_frontend_drain.py, once in ~10 runs on 2 CPUs): a request sent on
+    an idle keep-alive connection during the drain was reset when the front-end's event loop had
+    been busy past DRAIN_IDLE_S. The loop then ran the due drain timer before reading the socket,
+    and closing a socket with unread bytes sends RST. Here the timer fires (``_on_timeout``) with a
+    request waiting unread, as it does then: the request must be answered, with Connection: close.
+    uvicorn's keep-alive timeout (``server.keep_alive_s``) had the same race: the request is
+    answered and the connection stays open."""
+    import array
+    import fcntl
+    import socket as socketlib
+    import termios
+
+    uvloop = pytest.importorskip("uvloop")
+    made: list = []
+
+    async def main() -> bytes:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_gateway_protocol_factory(loop, made), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = socketlib.create_connection(("127.0.0.1", port))
+        client.setblocking(False)
+        req = b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n"
+        try:
+            client.sendall(req)
+            first = await _recv_until(client, b"ok")
+            assert first.startswith(b"HTTP/1.1 200 ") and b"connection: close" not in first.lower()
+            (proto,) = made
+            if timer == "drain":
+                proto.begin_drain()  # idle: its drain timer runs (DRAIN_IDLE_S)
+            client.sendall(req)  # in the server's socket at once (loopback); the loop has not read it
+            waiting = array.array("i", [0])
+            fcntl.ioctl(proto.transport.get_extra_info("socket").fileno(), termios.FIONREAD, waiting, True)
+            assert waiting[0] == len(req)
+            if timer == "drain":
+                proto._on_timeout()  # the drain timer, due first (the loop ran timers before reads)
+            else:
+                proto.timeout_keep_alive_task.cancel()
+                proto.timeout_keep_alive_handler()  # uvicorn's keep-alive timer, due first
+            return await _recv_until(client, b"ok")
+        finally:
+            client.close()
+            server.close()
+            await server.wait_closed()
+
+    got = uvloop.run(main()) if hasattr(uvloop, "run") else asyncio.run(main())
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\nok"), got
+    assert (b"connection: close" in got.lower()) == (timer == "drain")
+
+
+def test_an_idle_connection_whose_next_request_waits_unread_is_not_evicted(monkeypatch):
+    """At the cap, the listener evicts the longest-idle keep-alive connection to make room. One
+    whose next request already sits unread in its socket (the loop handles the listening socket
+    first in the same turn) is not idle: evicting it reset that request. It is passed over; its
+    request is answered."""
+    import socket as socketlib
+
+    from shardserver.workers import http_conn
+
+    uvloop = pytest.importorskip("uvloop")
+    monkeypatch.setattr(http_conn, "EVICT_MIN_IDLE_S", 0.05)
+    made: list = []
+
+    async def main() -> tuple[object, bytes]:
+        loop = asyncio.get_running_loop()
+        lsock = socketlib.socket()
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(16)
+        lsock.setblocking(False)
+        listener = http_conn.Listener(lsock, max_connections=1)
+        listener.start(_gateway_protocol_factory(loop, made, listener))
+        client = socketlib.create_connection(lsock.getsockname())
+        client.setblocking(False)
+        req = b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n"
+        try:
+            client.sendall(req)
+            assert (await _recv_until(client, b"ok")).startswith(b"HTTP/1.1 200 ")
+            await asyncio.sleep(0.1)  # idle past EVICT_MIN_IDLE_S
+            assert listener._evictable() is made[0]
+            client.sendall(req)  # its next request, unread
+            victim = listener._evictable()
+            return victim, await _recv_until(client, b"ok")
+        finally:
+            client.close()
+            listener.close()
+            await listener.wait_closed()
+            lsock.close()
+
+    victim, got = uvloop.run(main()) if hasattr(uvloop, "run") else asyncio.run(main())
+    assert victim is None
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\nok"), got
