@@ -159,6 +159,13 @@ class EngineConfig:
     # the connection is dead (a partition, a hung proxy): the request is re-forwarded like any
     # broken connection instead of waiting out timeout_s. 0: no bound (timeout_s only).
     read_idle_timeout_s: float = 60.0
+    # A connection to the engine whose peer stops acknowledging (its host crashed or lost power,
+    # a network partition, a pod gone behind a Service: no FIN or RST ever comes) is found dead
+    # after about this long, by TCP keepalive probes while the engine generates and
+    # TCP_USER_TIMEOUT while the request is unacknowledged; its requests are then re-forwarded
+    # (engine.unavailable_budget_s) instead of waiting out timeout_s. An engine that is only slow
+    # or busy is never taken for dead: its kernel acknowledges the probes. 0: off (timeout_s only).
+    dead_connection_s: float = 60.0
     # Connections to the engine per encoder.
     pool_size: int = 512
     # Engine answer bodies an encoder may hold received but not yet decoded (bytes; 0 = no bound
@@ -228,6 +235,8 @@ class EngineConfig:
         _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
         _check(self.read_idle_timeout_s, "engine.read_idle_timeout_s", self.read_idle_timeout_s >= 0, "must be >= 0")
+        _check(self.dead_connection_s, "engine.dead_connection_s",
+               self.dead_connection_s == 0 or 2 <= self.dead_connection_s <= 86400, "must be 0 (off) or 2 .. 86400")
         _check(self.pool_size, "engine.pool_size", self.pool_size >= 1, "must be >= 1")
         _check(self.receive_buffer_bytes, "engine.receive_buffer_bytes",
                self.receive_buffer_bytes in (-1, 0) or 4096 <= self.receive_buffer_bytes <= 1 << 30,

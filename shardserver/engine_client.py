@@ -300,7 +300,8 @@ class EngineClient:
                                     keep_buffer_bytes=keep, counters=self.counters,
                                     read_idle_s=self.cfg.read_idle_timeout_s,
                                     budget_bytes=budget, held=lambda: self.answer_bytes,
-                                    receive_buffer_bytes=self.cfg.receive_buffer())
+                                    receive_buffer_bytes=self.cfg.receive_buffer(),
+                                    dead_connection_s=self.cfg.dead_connection_s)
             return
         from .engine_https import HttpsTransport
 

@@ -44,7 +44,7 @@ from urllib.parse import quote, unquote, urlsplit
 import httptools
 import numpy as np
 
-__all__ = ["EnginePool", "BodyBuffers", "request_target", "ConnectFailed", "Broken", "BadResponse", "BodyTooLarge",
+__all__ = ["EnginePool", "BodyBuffers", "request_target", "dead_peer_options", "set_options", "ConnectFailed", "Broken", "BadResponse", "BodyTooLarge",
            "MAX_HEAD_BYTES"]
 
 #: The most bytes an answer's status line and header fields may take (bytes).
@@ -724,6 +724,37 @@ class _Inflater:
         return self._z.flush() if self._z is not None else b""
 
 
+def dead_peer_options(seconds: float) -> list[tuple[int, int, int]]:
+    """The ``setsockopt`` triples ``(level, option, value)`` that make the kernel declare a TCP
+    connection dead when its peer acknowledges nothing for about ``seconds`` (``engine.
+    dead_connection_s``): keepalive probes after ``seconds / 3`` idle, then up to 6 more, and
+    ``TCP_USER_TIMEOUT`` (milliseconds) for data sent and never acknowledged. The connection then
+    fails with ``ETIMEDOUT`` (``connection_lost``), as a reset one does. Empty for 0 (off) or
+    where Linux's options are missing.
+
+    A busy or slow engine is never taken for dead: its kernel acknowledges the probes however
+    long the generation takes. Only a peer that is gone (host down, partition) stops answering.
+    """
+    if seconds <= 0 or not hasattr(socket, "TCP_KEEPIDLE") or not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return []
+    idle = max(1, int(seconds // 3))
+    interval = max(1, int((seconds - idle) // 6))
+    count = max(1, min(6, int((seconds - idle) // interval)))
+    return [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1), (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval), (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count),
+            (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))]
+
+
+def set_options(sock: Any, options: list[tuple[int, int, int]]) -> None:
+    """``sock.setsockopt`` for each ``(level, option, value)``; an option the socket refuses is
+    skipped (a transport without a real TCP socket)."""
+    for level, option, value in options:
+        try:
+            sock.setsockopt(level, option, value)
+        except (OSError, AttributeError):
+            return
+
+
 def request_target(url: str) -> str:
     """The request target (origin form: path and query) that :class:`EnginePool` sends for
     ``url``, as aiohttp (yarl) sends it: a space or non-ASCII letter percent-encoded (UTF-8),
@@ -768,6 +799,8 @@ class EnginePool:
             for room in ``budget_bytes`` holds on this side: see ``engine.receive_buffer_bytes``.
             A connection whose body is admitted is widened to :data:`WIDE_RECEIVE_BYTES` (at most
             :data:`MAX_WIDE_CONNECTIONS` of them), so the body comes at full speed.
+        dead_connection_s: a connection whose peer acknowledges nothing for about this long
+            fails (:func:`dead_peer_options`; ``engine.dead_connection_s``), seconds; 0: off.
 
     Not thread-safe; one per event loop.
     """
@@ -776,7 +809,7 @@ class EnginePool:
                  on_bytes: Callable[[int], None] | None = None, keep_buffer_bytes: int = 64 << 20,
                  counters: MutableMapping[str, int] | None = None, read_idle_s: float = 0.0,
                  budget_bytes: int = 0, held: Callable[[], int] | None = None,
-                 dns_ttl_s: float = 10.0, receive_buffer_bytes: int = 0) -> None:
+                 dns_ttl_s: float = 10.0, receive_buffer_bytes: int = 0, dead_connection_s: float = 0.0) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"EnginePool needs an http:// URL with a host, got scheme {parts.scheme!r}")
@@ -791,6 +824,7 @@ class EnginePool:
             self.auth = "Basic " + base64.b64encode(cred).decode("ascii")
         self.connect_timeout_s = connect_timeout_s
         self.receive_buffer_bytes = receive_buffer_bytes
+        self.socket_options = dead_peer_options(dead_connection_s)
         # Connections widened for an admitted body (_Connection.take_buffer): at most max_wide of
         # wide_bytes each, so what answers waiting on them can leave in the kernel stays bounded.
         self.wide_bytes = max(WIDE_RECEIVE_BYTES, receive_buffer_bytes)
@@ -1001,12 +1035,10 @@ class EnginePool:
                                 f"(engine.connect_timeout_s)") from None
         except OSError as exc:
             raise ConnectFailed(str(exc) or type(exc).__name__) from None
+        sock = conn.transport.get_extra_info("socket")
         if self.receive_buffer_bytes:
-            try:
-                conn.transport.get_extra_info("socket").setsockopt(  # type: ignore[union-attr]
-                    socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer_bytes)
-            except (OSError, AttributeError):  # (a transport without a socket: nothing to bound)
-                pass
+            set_options(sock, [(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer_bytes)])
+        set_options(sock, self.socket_options)
         self._all.add(conn)
         return conn
 

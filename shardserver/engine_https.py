@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
 
 from .config import mask_urls_in
+from .engine_http import dead_peer_options, set_options
 from .errors import EngineError
 
 if TYPE_CHECKING:
@@ -70,7 +72,7 @@ class HttpsTransport:
 
     Args:
         owner: the engine client: its ``cfg`` (``connect_timeout_s``, ``pool_idle_s``,
-            ``max_body_bytes``), ``url``, ``display_url``, and its answer-byte counts
+            ``max_body_bytes``, ``dead_connection_s``), ``url``, ``display_url``, and its answer-byte counts
             (``_add_unclaimed``, ``_returned``), which this transport keeps up to date.
     """
 
@@ -83,11 +85,21 @@ class HttpsTransport:
         trace = aiohttp.TraceConfig()
         trace.on_connection_reuseconn.append(_on_reuse)
         trace.freeze()
-        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=cfg.pool_idle_s)
+        options = dead_peer_options(cfg.dead_connection_s)
+
+        def new_socket(addr_info: tuple[Any, ...]) -> socket.socket:
+            # (aiohttp's socket_factory: engine.dead_connection_s, as the http:// pool sets it)
+            family, type_, proto = addr_info[0], addr_info[1], addr_info[2]
+            sock = socket.socket(family=family, type=type_, proto=proto)
+            set_options(sock, options)
+            return sock
+
+        factory = {"socket_factory": new_socket} if options else {}
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=cfg.pool_idle_s, **factory)
         # aiohttp's default read buffer (64 KiB): a larger one cost more memory when many engine
         # answers arrive at once (measured with benchmarks/run_load.py --scenario queue-8k) and
         # saved no measurable CPU.
-        fresh = aiohttp.TCPConnector(limit=0, force_close=True)
+        fresh = aiohttp.TCPConnector(limit=0, force_close=True, **factory)
         # Count what every engine connection receives (aiohttp keeps its protocol factory in
         # _factory; without it the bodies are counted as their reader takes them).
         self.counting = False

@@ -27,6 +27,9 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
   sent ``how`` = ``"chunked"`` (``Transfer-Encoding: chunked``, 1 MiB chunks, no Content-Length) or
   ``"gzip"`` (``Content-Encoding: gzip``, Content-Length of the compressed bytes) in
   ``pad_how``.
+* ``crash_resets``: every connection is set to ``SO_LINGER`` 0, so that when the process is
+  SIGKILLed its kernel sends each peer a single RST (a FIN would be retransmitted until it is
+  acknowledged): with that RST lost, the peer hears nothing more, as from a crashed host.
 * ``api_key``: like ``vllm serve --api-key``: every ``/v1/*`` request without
   ``Authorization: Bearer <api_key>`` gets 401 ``{"error":"Unauthorized"}`` (``/health`` is open).
 * ``abort``: the next N completions end with ``finish_reason: "abort"`` (a partial sample).
@@ -75,6 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "drop_how": "close",
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
     "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "api_key": None, "script": None, "pad_bytes": 0, "pad_how": "chunked",
+    "crash_resets": False,
 }
 PHRASES = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout", 413: "Request Entity Too Large",
            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
@@ -175,6 +179,10 @@ class _Server:
         self.conns += 1
         conn = self.conns
         nth = 0
+        if self.cfg["crash_resets"]:
+            sock = writer.get_extra_info("socket")
+            if sock is not None:  # SO_LINGER 0: when this process dies, one RST, never retransmitted
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         try:
             while True:
                 idle = self.cfg["idle_close_s"] or None
@@ -381,7 +389,7 @@ TLS_CERT = Path(__file__).resolve().parent / "tls" / "cert.pem"
 TLS_KEY = TLS_CERT.with_name("key.pem")
 
 
-async def _serve(port: int, config: dict[str, Any], tls: bool = False) -> None:
+async def _serve(port: int, config: dict[str, Any], tls: bool = False, host: str = "127.0.0.1") -> None:
     from shardserver.engine_sim import SimConfig, render_completion
 
     srv = _Server(config)
@@ -394,9 +402,9 @@ async def _serve(port: int, config: dict[str, Any], tls: bool = False) -> None:
 
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(TLS_CERT, TLS_KEY)
-    server = await asyncio.start_server(srv.handle, "127.0.0.1", port, reuse_address=True, backlog=1024, ssl=ctx)
+    server = await asyncio.start_server(srv.handle, host, port, reuse_address=True, backlog=1024, ssl=ctx)
     actual = server.sockets[0].getsockname()[1]
-    print(f"fake-engine listening on {'https' if tls else 'http'}://127.0.0.1:{actual}", flush=True)
+    print(f"fake-engine listening on {'https' if tls else 'http'}://{host}:{actual}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -416,10 +424,11 @@ def free_port() -> int:
 
 
 class _EngineProcess:
-    """A child process that prints ``... listening on http://127.0.0.1:PORT`` once it serves."""
+    """A child process that prints ``... listening on http://HOST:PORT`` once it serves
+    (``host`` 127.0.0.1 unless a subclass says otherwise)."""
 
-    ready_mark = "://127.0.0.1:"
     scheme = "http"
+    host = "127.0.0.1"
 
     def __init__(self, port: int = 0) -> None:
         self.port = port
@@ -431,7 +440,7 @@ class _EngineProcess:
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "_EngineProcess":
         """Start (again) on ``self.port`` (0 the first time: pick one); wait until it serves."""
@@ -445,7 +454,7 @@ class _EngineProcess:
             assert proc.stdout is not None
             for line in proc.stdout:
                 self.lines.append(line.rstrip("\n"))
-                if "listening on" in line and self.ready_mark in line and not ready.is_set():
+                if "listening on" in line and f"://{self.host}:" in line and not ready.is_set():
                     self.port = int(line.rsplit(":", 1)[1].strip().rstrip("/"))
                     ready.set()
 
@@ -498,15 +507,16 @@ class _EngineProcess:
 class FakeEngine(_EngineProcess):
     """This module run as a script; ``config`` keys are listed in the module docstring."""
 
-    def __init__(self, port: int = 0, tls: bool = False, **config: Any) -> None:
+    def __init__(self, port: int = 0, tls: bool = False, host: str = "127.0.0.1", **config: Any) -> None:
         super().__init__(port)
+        self.host = host
         unknown = set(config) - set(DEFAULTS)
         assert not unknown, f"unknown fake-engine settings: {sorted(unknown)}"
         self.config = config
         self.scheme = "https" if tls else "http"
 
     def command(self) -> list[str]:
-        return [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port),
+        return [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port), "--host", self.host,
                 "--config", json.dumps(self.config)] + (["--tls"] if self.scheme == "https" else [])
 
     def configure(self, **changes: Any) -> dict[str, Any]:
@@ -550,10 +560,11 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     ap = argparse.ArgumentParser(description="a misbehaving vLLM /v1/completions for fault tests")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--config", default="{}")
     ap.add_argument("--tls", action="store_true", help="serve HTTPS with tls/cert.pem")
     a = ap.parse_args()
     try:
-        asyncio.run(_serve(a.port, json.loads(a.config), a.tls))
+        asyncio.run(_serve(a.port, json.loads(a.config), a.tls, a.host))
     except KeyboardInterrupt:
         pass

@@ -1193,3 +1193,47 @@ def test_a_close_delimited_answer_waits_for_room_and_arrives_whole() -> None:
             assert held[0] == 0 and pool.waiting == 0 and pool.waiting_bytes == 0
             await pool.close()
     run(main())
+
+
+@pytest.mark.parametrize("transport", ["engine_http", "aiohttp"])
+def test_engine_connections_carry_keepalive_probes_sized_by_dead_connection_s(transport: str) -> None:
+    """``engine.dead_connection_s`` (e2e/test_engine_partition.py shows the effect): every engine
+    connection, http:// (EnginePool) and https:// (aiohttp, driven over http:// here), has TCP
+    keepalive on with probes after a third of it and ``TCP_USER_TIMEOUT`` of all of it; 0 leaves
+    the kernel's defaults (no keepalive)."""
+    from shardserver.config import EngineConfig
+    from shardserver.engine_client import EngineClient
+    from shardserver.engine_http import dead_peer_options
+    from shardserver.engine_https import HttpsTransport
+
+    assert [v for _, _, v in dead_peer_options(60)] == [1, 20, 6, 6, 60000]  # 20 + 6 x 6 = 56 s of silence
+    assert [v for _, _, v in dead_peer_options(3)] == [1, 1, 1, 2, 3000]
+    assert dead_peer_options(0) == []
+
+    def options(sock: socket.socket) -> tuple[int, ...]:
+        return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+
+    async def one(dead_s: float) -> tuple[int, ...]:
+        async with Script([ok()]) as s:
+            if transport == "engine_http":
+                pool, _ = pool_for(s.url, dead_connection_s=dead_s)
+                status, _body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+                (conn,) = pool._all
+                got = options(conn.transport.get_extra_info("socket"))
+                await pool.close()
+            else:
+                owner = EngineClient(EngineConfig(dead_connection_s=dead_s), s.url.rsplit("/v1/", 1)[0])
+                https = HttpsTransport(owner)
+                status, _body = await https.attempt(False, b"{}", {}, {})
+                ((proto, _t),) = [c for q in https._session.connector._conns.values() for c in q]
+                got = options(proto.transport.get_extra_info("socket"))
+                await https.close()
+            assert status == 200
+            return got
+
+    assert run(one(60)) == (1, 20, 6, 6, 60000)
+    assert run(one(0))[0] == 0 and run(one(0))[4] == 0
