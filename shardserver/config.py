@@ -152,8 +152,16 @@ class EngineConfig:
     # The engine's API key (``vllm serve --api-key``): sent as ``Authorization: Bearer <key>`` with
     # every completion request and probe. Empty: none. A secret: masked in logs and config dumps.
     api_key: str = ""
-    # One engine request, from the moment it has a connection slot (waiting for one not included).
+    # One engine request, from the moment it has a connection slot (waiting for one not included):
+    # past this it is given up (fails, category server) unless the engine shows it is alive: an
+    # answer to another request or to a health probe (engine.health_interval_s) within the last
+    # max(60 s, 3 x health_interval_s). A live engine is running it or has it queued (vLLM's
+    # scheduler runs max_num_seqs at once; a 32k-token generation alone can take longer than
+    # this): it keeps waiting, up to max_request_s.
     timeout_s: float = 900.0
+    # Longest wait for one engine request however alive the engine is (a request stuck in an engine
+    # that answers everything else); >= timeout_s.
+    max_request_s: float = 14400.0
     connect_timeout_s: float = 5.0
     # Once an answer's header section has arrived, silence on its connection for this long means
     # the connection is dead (a partition, a hung proxy): the request is re-forwarded like any
@@ -233,6 +241,8 @@ class EngineConfig:
         _check("***", "engine.api_key", self.api_key.isascii() and self.api_key.isprintable()
                and self.api_key.strip() == self.api_key, "must be printable ASCII without surrounding spaces")
         _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
+        _check(self.max_request_s, "engine.max_request_s", self.max_request_s >= self.timeout_s,
+               f"must be >= engine.timeout_s ({self.timeout_s:g})")
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
         _check(self.read_idle_timeout_s, "engine.read_idle_timeout_s", self.read_idle_timeout_s >= 0, "must be >= 0")
         _check(self.dead_connection_s, "engine.dead_connection_s",

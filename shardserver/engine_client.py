@@ -34,7 +34,9 @@ not JSON (a proxy's HTML page, a router's plain
 text, empty)
 HTTP 5xx (other)                                 fails                                        server
 no answer within ``engine.timeout_s`` of being   fails (the engine may be running it)         server
-sent; body over ``engine.max_body_bytes``
+sent while the engine answers nothing else;
+no answer within ``engine.max_request_s``;
+body over ``engine.max_body_bytes``
 =============================================== ============================================ ==========
 
 Retry-After: a re-forwarded answer (429 or 503 from a router or vLLM's admission control, 408,
@@ -54,7 +56,9 @@ reports the outage for ``/readyz`` and the ``shardserver_engine_unavailable_seco
 Recovery needs nothing: the next answer ends it.
 
 Timeouts: ``engine.timeout_s`` bounds one attempt (connecting, sending, waiting for and reading
-the answer). The encoder starts at most ``engine.pool_size`` engine calls at once, so an attempt
+the answer) while the engine shows no sign of life; an engine that answers other requests or
+health probes has this one queued or generating (vLLM runs ``max_num_seqs`` at once and queues
+the rest), so the attempt waits on, up to ``engine.max_request_s`` (:meth:`EngineClient._timed`). The encoder starts at most ``engine.pool_size`` engine calls at once, so an attempt
 never waits for a pooled connection: that wait happens in the encoder's queue, before the call,
 bounded by ``engine.pool_wait_s``. Idle pooled connections are dropped after
 ``engine.pool_idle_s`` (default 4 s, below the 5 s after which vLLM's uvicorn closes an idle
@@ -72,6 +76,7 @@ import collections
 import email.utils
 import json
 import logging
+import math
 import random
 import re
 import time
@@ -128,6 +133,11 @@ def engine_did_not_answer(status: int, body: bytes) -> bool:
 #: A successful health probe ends an outage only once no engine request failed for this long
 #: (seconds; :meth:`EngineClient.probe_ok`).
 PROBE_QUIET_S = 1.0
+#: An engine that answered anything (another request, a health probe) within this long, or
+#: 3 x engine.health_interval_s if longer, is alive: an attempt past engine.timeout_s keeps
+#: waiting (queued or generating in it), re-judged every LIFE_RECHECK_S, up to engine.max_request_s.
+LIFE_WINDOW_S = 60.0
+LIFE_RECHECK_S = 10.0
 _BACKOFF_FIRST_S = 0.1
 _BACKOFF_MAX_S = 2.0
 
@@ -272,6 +282,8 @@ class EngineClient:
         self._unclaimed = 0
         self._returned = 0
         self.answer_bytes_peak = 0  # the most answer_bytes ever held (bytes)
+        self._life_at = -math.inf  # monotonic time of the engine's last answer to anything (see _timed)
+        self.life_window_s = max(LIFE_WINDOW_S, 3 * cfg.health_interval_s)
         # Called at every engine answer (the encoder's EngineProbe.kick: a failed probe is re-run at once).
         self.on_answer: Callable[[], None] | None = None
 
@@ -330,10 +342,12 @@ class EngineClient:
         503 after an outage that no sample has tried since, while a ``GET /health`` that answers
         does not outweigh completions refused a moment ago: an engine whose admission control
         answers 503 still serves ``/health``)."""
+        self._life_at = time.monotonic()
         if self._retrying == 0 and time.monotonic() - self._last_failure >= PROBE_QUIET_S:
             self._answered()
 
     def _answered(self) -> None:
+        self._life_at = time.monotonic()
         if self.on_answer is not None:
             self.on_answer()
         if self._down_since is not None:
@@ -493,18 +507,49 @@ class EngineClient:
         return status, out
 
     async def _timed(self, attempt: Awaitable[tuple[int, Any]]) -> tuple[int, Any]:
-        """Await one attempt within ``engine.timeout_s`` (connecting, sending, waiting for and
-        reading the answer); past it, the attempt is cancelled (its connection closed, so vLLM
-        aborts the request) and EngineError is raised."""
-        timeout_s = self.cfg.timeout_s
+        """Await one attempt (connecting, sending, waiting for and reading the answer).
+
+        At ``engine.timeout_s`` after the start it is judged: if the engine answered anything
+        (another request, a health probe) within the last :attr:`life_window_s`, it is alive and
+        this request is queued or generating in it, so the attempt keeps waiting, judged again
+        every :data:`LIFE_RECHECK_S`; up to ``engine.max_request_s`` in all. Given up, the attempt is
+        cancelled (its connection closed, so vLLM aborts the request) and EngineError (category
+        server) is raised, saying which bound ended it.
+        """
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        why: list[str] = []
+
+        def judge() -> None:
+            nonlocal timer
+            now = loop.time()
+            silent_s = time.monotonic() - self._life_at
+            if silent_s >= self.life_window_s:
+                since = f"for {silent_s:.1f} s" if silent_s < math.inf else "since the gateway started"
+                why.append(f"engine timed out after {now - start:.1f} s (engine.timeout_s = {cfg.timeout_s:g}): "
+                           f"no answer to this request, and none to any other request or health probe {since}")
+            elif now - start >= cfg.max_request_s:
+                why.append(f"engine timed out after {now - start:.1f} s (engine.max_request_s = "
+                           f"{cfg.max_request_s:g}): no answer to this request, though the engine answers others")
+            else:
+                if now - start >= cfg.timeout_s and "waited" not in why:
+                    why.append("waited")
+                    self.counters["engine_waits_past_timeout"] += 1
+                timer = loop.call_at(min(now + LIFE_RECHECK_S, start + cfg.max_request_s), judge)
+                return
+            scope.reschedule(now)  # expires at once: the attempt is cancelled
+
+        timer = loop.call_at(start + cfg.timeout_s, judge)
         try:
-            async with asyncio.timeout(timeout_s) as deadline:
+            async with asyncio.timeout(None) as scope:
                 return await attempt
         except TimeoutError:
-            if not deadline.expired():
+            if not scope.expired() or not why or why[-1] == "waited":
                 raise
-            raise EngineError(f"engine timed out after {timeout_s} s (engine.timeout_s)",
-                              status=None, category="server") from None
+            raise EngineError(why[-1], status=None, category="server") from None
+        finally:
+            timer.cancel()
 
     @property
     def answer_bytes(self) -> int:

@@ -8,6 +8,9 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
 ``POST /_fake/config``):
 
 * ``delay_s``: wait this long before answering each completion.
+* ``max_running``: like vLLM's scheduler (``max_num_seqs``), at most this many completions
+  generate (``delay_s`` each) at once; the others wait in a first-come queue (0: no bound).
+  The log entry's ``started`` is when its generation began.
 * ``gather``: hold 200 completions (rendered) until this many are waiting, then send them all
   at once (a batch of samples that finish together); 0: off.
 * ``reset_reused``: answer one completion per connection (keep-alive); when the next request
@@ -78,7 +81,7 @@ DEFAULTS: dict[str, Any] = {
     "drop_how": "close",
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
     "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "api_key": None, "script": None, "pad_bytes": 0, "pad_how": "chunked",
-    "crash_resets": False,
+    "crash_resets": False, "max_running": 0,
 }
 PHRASES = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout", 413: "Request Entity Too Large",
            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
@@ -151,6 +154,7 @@ class _Server:
         self.log: list[dict[str, Any]] = []
         self.conns = 0
         self.gathered: list[asyncio.Event] = []  # completions held by ``gather``
+        self.running: asyncio.Semaphore | None = None  # ``max_running``
 
     def set_config(self, patch: dict[str, Any]) -> None:
         unknown = set(patch) - set(DEFAULTS)
@@ -290,7 +294,15 @@ class _Server:
                     {"error": {"message": msg, "type": "Service Unavailable", "param": None, "code": status}},
                     separators=(",", ":")).encode())
             return True
-        if cfg["delay_s"]:
+        if cfg["max_running"]:
+            # vLLM's scheduler: at most max_running requests generate at once (max_num_seqs, the
+            # KV cache); the others wait in its queue, first come first served.
+            if self.running is None:
+                self.running = asyncio.Semaphore(cfg["max_running"])
+            async with self.running:
+                entry["started"] = time.monotonic()
+                await asyncio.sleep(cfg["delay_s"])
+        elif cfg["delay_s"]:
             await asyncio.sleep(cfg["delay_s"])
         sim = SimConfig.from_mapping({"model_name": cfg["model"], "max_model_len": cfg["max_model_len"]})
         override = None

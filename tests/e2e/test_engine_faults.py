@@ -500,6 +500,50 @@ def test_waiting_for_a_pooled_connection_is_not_engine_time():
         assert "failed_server" not in counters(s)
 
 
+def test_samples_queued_inside_a_busy_engine_wait_past_timeout_s():
+    """Found by a break test: vLLM runs max_num_seqs requests at once and queues the rest inside
+    itself, where the gateway's queue cannot see them. Here the engine generates 2 at a time, 1 s
+    each, and 10 samples arrive at once; engine.timeout_s is 2 s. Before: every sample queued in
+    the engine for 2 s or more failed with "engine timed out after 2 s". The engine answers other
+    requests and its health probes meanwhile, so it is alive: all 10 are served, token for token."""
+    with FakeEngine(max_running=2, delay_s=1.0) as eng, gateway(eng.url, timeout_s=2) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        jobs = [submit(api, ssid, 109, i) for i in range(10)]
+        for i, (rid, prompt) in enumerate(jobs):
+            assert_result(*retrieve(api, rid), prompt, i)
+        log = completions(eng)
+        assert len(log) == 10 and all(e["request_id"].endswith("-a1") for e in log)  # none was sent twice
+        # The last ones waited in the engine's queue well past timeout_s before they even started.
+        assert max(e["started"] - e["t"] for e in log) > 3.0
+        c = counters(s)
+        assert "failed_server" not in c and c["engine_waits_past_timeout"] >= 4, c
+
+
+def test_a_request_the_engine_never_answers_fails_at_timeout_s_when_silent_else_at_max_request_s():
+    """The bounds that are left. An engine that answers health probes (alive) but never this
+    request: the attempt waits past engine.timeout_s (1 s) and fails at engine.max_request_s (3 s),
+    saying so. With no health probes and no other answer, nothing shows the engine alive: it fails
+    at engine.timeout_s, saying that nothing answered."""
+    with FakeEngine(delay_s=60) as eng:
+        for probes, bound_s, words in ((0.3, 3.0, "(engine.max_request_s = 3): no answer to this request, though "
+                                                  "the engine answers others"),
+                                       (0, 1.0, "(engine.timeout_s = 1): no answer to this request, and none to any "
+                                                "other request or health probe since the gateway started")):
+            with gateway(eng.url, timeout_s=1, max_request_s=3, health_interval_s=probes) as s:
+                api = Api(s.url)
+                ssid = api.sampling_session()
+                time.sleep(0.5)  # (the first probe answered)
+                t0 = time.monotonic()
+                rid, _ = submit(api, ssid, 110, 0)
+                st, h, body = retrieve(api, rid)
+                took = time.monotonic() - t0
+                err = json.loads(body)
+                assert st == 200 and err["category"] == "server", err
+                assert err["error"].startswith("engine timed out after ") and words in err["error"], err
+                assert bound_s <= took < bound_s + 3, took
+
+
 def test_no_pooled_connection_within_pool_wait_answers_410():
     """A request that never got a connection was never sent: 410 (the SDK resubmits), not a failure."""
     with FakeEngine(delay_s=2.0) as eng, gateway(eng.url, pool_size=1, pool_wait_s=0.5) as s:

@@ -25,6 +25,7 @@ arena_bytes = 8388608
 front_ends = 1
 [engine]
 timeout_s = 2
+max_request_s = 3
 max_abort_resubmits = 1
 unavailable_budget_s = 1
 [futures]
