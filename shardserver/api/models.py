@@ -126,6 +126,12 @@ class SamplingParams(_Strict):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | list[int] | None) -> str | list[str] | list[int] | None:
+        # vLLM refuses an empty stop string (SamplingParams._verify_args: "stop cannot contain an
+        # empty string"); refused here, the SDK's sample() fails at once with a 400 naming the field
+        # instead of a RequestFailedError after the engine call.
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise _out_of_range("a non-empty string, a list of non-empty strings or a list of token ids "
+                                "(an empty stop string would match everywhere; vLLM refuses it)", repr(v))
         if isinstance(v, list):
             for t in v:
                 if isinstance(t, int) and not 0 <= t <= INT32_MAX:

@@ -326,6 +326,12 @@ _RANGE_INT64 = "unset or an integer in [-9223372036854775808, 922337203685477580
                                 "ids in [0, 2147483647], got token id 2147483648"),
     ({"stop": [-1]}, 400, "sampling_params.stop: must be a string, a list of strings or a list of token "
                           "ids in [0, 2147483647], got token id -1"),
+    # Found by a break test: vLLM refuses an empty stop string, so the sample failed after the engine call.
+    ({"stop": ""}, 400, "sampling_params.stop: must be a non-empty string, a list of non-empty strings or a list "
+                        "of token ids (an empty stop string would match everywhere; vLLM refuses it), got ''"),
+    ({"stop": ["ok", ""]}, 400, "sampling_params.stop: must be a non-empty string, a list of non-empty strings or a "
+                                "list of token ids (an empty stop string would match everywhere; vLLM refuses it), "
+                                "got ['ok', '']"),
     # The edges of every range are accepted and forwarded.
     ({"seed": 2**63 - 1, "top_k": 2**31 - 1, "temperature": 2.0, "top_p": 1.0}, 200, None),
     ({"seed": -(2**63), "top_k": 0, "temperature": 0.0, "stop": [0, 2**31 - 1]}, 200, None),
