@@ -27,11 +27,12 @@ HTTP 3xx (a redirect: never followed)            fails, naming the status and ``
 TLS certificate not trusted (``https://``)       fails at once, saying how to trust it        server
 HTTP 4xx (other: vLLM's JSON error envelope)     fails                                        user
 HTTP 400 "Out of range float values" (NaN),      fails (the engine ran it, the path is ours,  server
-404/405 ``{"detail": ...}`` (wrong engine path), or a proxy refused the gateway's request:
-401/403/407 (the gateway's credentials: vLLM's   not the user's fault)
-``--api-key``, an auth proxy), a 4xx that is
+404/405 ``{"detail": ...}`` (wrong engine path), or a proxy refused the gateway's request,
+401/403/407 (the gateway's credentials: vLLM's   or the deployment serves another model:
+``--api-key``, an auth proxy), a 4xx that is     not the user's fault)
 not JSON (a proxy's HTML page, a router's plain
-text, empty)
+text, empty), 404 while ``engine.model`` pins
+the model
 HTTP 5xx (other)                                 fails                                        server
 no answer within ``engine.timeout_s`` of being   fails (the engine may be running it)         server
 sent while the engine answers nothing else;
@@ -436,8 +437,11 @@ class EngineClient:
                         # comes from a proxy or router in between (nginx's 413 for a large body, a
                         # router refusing the gateway's JSON): the deployment's fault, not the user's.
                         from_vllm = data.lstrip()[:1] == b"{"
+                        # A 404 for the model when engine.model pins it: the deployment serves another
+                        # model (renamed, or restarted with another), not the user's choice.
+                        pinned_404 = status == 404 and bool(cfg.model)
                         user = (400 <= status < 500 and _NAN_MARK not in reason and not wrong_path and from_vllm
-                                and status not in _CREDENTIAL_STATUSES)
+                                and status not in _CREDENTIAL_STATUSES and not pinned_404)
                         raise EngineError(reason, status=status, category="user" if user else "server")
             # Not answered: re-forward with backoff while the budget lasts.
             now = time.monotonic()

@@ -282,7 +282,7 @@ def engine_models_of(replies: list[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
+async def readiness(clients: list[Any], timeout: float = 2.0, model: str = "") -> tuple[int, dict[str, Any]]:
     """The ``/readyz`` answer of a front-end: (HTTP status, JSON body).
 
     200 ``{"status": "ready", "encoders": S, "max_model_len": {model: tokens}}`` when every
@@ -295,7 +295,9 @@ async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict
     "engine_down": [...], "engine_unknown": [...], "engine_unavailable": [...]}`` (the last key
     only when not empty): shards whose encoder did not answer, whose last probe failed, whose
     first probe has not finished yet, and whose engine requests are being re-forwarded (the
-    reason says for how long, the last status seen and the budget).
+    reason says for how long, the last status seen and the budget). With ``model`` (a pinned
+    ``engine.model``), also 503 while the engine's ``GET /v1/models`` lists other models only
+    (``"engine_model_missing": model``): every sample would fail with the engine's 404.
     """
     from .metrics import gather_stats
 
@@ -322,11 +324,17 @@ async def readiness(clients: list[Any], timeout: float = 2.0) -> tuple[int, dict
                            f"last: {out['reason']}; each is re-forwarded for up to engine.unavailable_budget_s = "
                            f"{out['budget_s']:g} s, then fails")
     models = engine_models_of(replies)
-    if down or engine_down or engine_unknown or unavailable:
+    missing = bool(model and models and model not in models)
+    if missing:
+        reasons.append(f"the engine serves {', '.join(sorted(models))}, not engine.model = {model!r} "
+                       f"(GET /v1/models): every sample would fail with its 404")
+    if down or engine_down or engine_unknown or unavailable or missing:
         body = {"status": "not ready", "reason": "; ".join(reasons), "encoders_down": down,
                 "engine_down": engine_down, "engine_unknown": engine_unknown}
         if unavailable:
             body["engine_unavailable"] = unavailable
+        if missing:
+            body["engine_model_missing"] = model
         if models:
             body["max_model_len"] = models
         return 503, body

@@ -163,10 +163,12 @@ class RunningServer:
                 status, _, body = http_json(self.url + "/readyz", timeout=2)
                 if status == 200:
                     return self
-                # Every encoder is up and has probed the engine, which is unreachable: started
-                # (tests of engine failures run gateways in front of a dead engine).
+                # Every encoder is up and has probed the engine, which is unreachable or serves
+                # another model than engine.model: started (tests of engine failures run gateways
+                # in front of a dead or wrong engine).
                 why = json.loads(body) if status == 503 else {}
-                if why.get("engine_down") and not why.get("encoders_down") and not why.get("engine_unknown"):
+                if ((why.get("engine_down") or why.get("engine_model_missing"))
+                        and not why.get("encoders_down") and not why.get("engine_unknown")):
                     return self
             except (OSError, ValueError):
                 pass

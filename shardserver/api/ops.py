@@ -48,7 +48,8 @@ async def readyz(request: Request) -> JSONResponse:
     """200 when every encoder is connected and the engine reachable, else 503 with the reason
     (:func:`shardserver.health.readiness`)."""
     ctx = context(request)
-    status, body = await readiness(ctx.clients)  # encoders connected and the engine reachable
+    # encoders connected, the engine reachable and serving the pinned engine.model (if any)
+    status, body = await readiness(ctx.clients, model=ctx.cfg.engine.model)
     ctx.note_engine_windows(body.get("max_model_len") or {})  # the freshest windows, for asample
     return JSONResponse(body, status_code=status, headers=ctx.fe_header)
 

@@ -544,6 +544,40 @@ def test_a_request_the_engine_never_answers_fails_at_timeout_s_when_silent_else_
                 assert bound_s <= took < bound_s + 3, took
 
 
+def test_a_pinned_engine_model_the_engine_no_longer_serves_is_the_deployments_fault():
+    """Found by a break test: with engine.model pinned, an engine that came back serving another
+    name answered vLLM's 404 "The model ... does not exist", and the sample failed with category
+    user while /readyz said ready. The user chose no model here: category server, and /readyz is
+    503 naming both names until the engine serves the pinned one again."""
+    with FakeEngine(model="Qwen/Qwen3-8B-renamed") as eng, gateway(eng.url, model="Qwen/Qwen3-8B") as s:
+        def ready() -> tuple[int, dict]:
+            deadline = time.monotonic() + 10
+            while True:
+                st, _, b = http_json(s.url + "/readyz")
+                body = json.loads(b)
+                if "max_model_len" in body or time.monotonic() > deadline:
+                    return st, body
+
+        st, body = ready()
+        assert st == 503 and body["engine_model_missing"] == "Qwen/Qwen3-8B", body
+        assert "the engine serves Qwen/Qwen3-8B-renamed, not engine.model = 'Qwen/Qwen3-8B' (GET /v1/models)" \
+            in body["reason"], body
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid, _ = submit(api, ssid, 111, 0)
+        st, _, b = retrieve(api, rid)
+        err = json.loads(b)
+        assert st == 200 and err == {"error": "engine returned HTTP 404: The model `Qwen/Qwen3-8B` does not exist.",
+                                     "category": "server"}, err
+        eng.configure(model="Qwen/Qwen3-8B")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and http_json(s.url + "/readyz")[0] != 200:
+            time.sleep(0.1)
+        assert http_json(s.url + "/readyz")[0] == 200
+        rid, prompt = submit(api, ssid, 111, 1)
+        assert_result(*retrieve(api, rid), prompt, 1)
+
+
 def test_no_pooled_connection_within_pool_wait_answers_410():
     """A request that never got a connection was never sent: 410 (the SDK resubmits), not a failure."""
     with FakeEngine(delay_s=2.0) as eng, gateway(eng.url, pool_size=1, pool_wait_s=0.5) as s:
