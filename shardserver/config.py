@@ -215,6 +215,10 @@ class EngineConfig:
     retry_5xx: bool = False
     # ``finish_reason: abort`` (weights being synced) is re-forwarded at most this often.
     max_abort_resubmits: int = 2
+    # A 200 whose body is not a usable completion (broken JSON, wrong lengths: a proxy's or the
+    # network's corruption; vLLM never sends one) is sent again this many times before the
+    # sample fails (category server): an engine whose every answer is unusable still fails.
+    bad_body_resends: int = 1
     # The engine's --max-model-len (tokens): a request without max_tokens generates up to
     # max_model_len - prompt length (the SDK's "until EOS"), and its arena reservation is sized so.
     max_model_len: int = 65536
@@ -241,6 +245,7 @@ class EngineConfig:
         _check("***", "engine.api_key", self.api_key.isascii() and self.api_key.isprintable()
                and self.api_key.strip() == self.api_key, "must be printable ASCII without surrounding spaces")
         _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
+        _check(self.bad_body_resends, "engine.bad_body_resends", 0 <= self.bad_body_resends <= 10, "must be 0 .. 10")
         _check(self.max_request_s, "engine.max_request_s", self.max_request_s >= self.timeout_s,
                f"must be >= engine.timeout_s ({self.timeout_s:g})")
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")

@@ -12,7 +12,8 @@ Life of a future in a shard::
                   │     FAILED (server) instead once every answer was aborted for engine.unavailable_budget_s
                   ├─ refused / broken connection, cut body, 408/429/503 ──> re-forwarded inside EngineClient
                   │     (backoff, within engine.unavailable_budget_s; then FAILED(server))
-                  └─ engine 4xx ──> FAILED(user);  5xx / timeout / bad body ──> FAILED(server)
+                  ├─ 200 with an unusable body ──> sent again (engine.bad_body_resends), then FAILED(server)
+                  └─ engine 4xx ──> FAILED(user);  5xx / timeout ──> FAILED(server)
 
 A contiguous arena slot is reserved at SUBMIT for the largest result the
 request can produce; the completion is encoded into it and the unused tail
@@ -777,6 +778,7 @@ class EncoderCore:
         headers = {"X-Session-ID": e.key[0]}
         ids = AttemptIds(e.fid)  # X-Request-Id <fid>-a1, -a2, ... over every attempt of this future
         aborts = 0
+        bad_bodies = 0
         refit = e.fill  # at most once
         try:
             while True:
@@ -805,8 +807,16 @@ class EncoderCore:
                     if self.decoder.split_decodes != split0:
                         self.counters["engine_bodies_split"] += 1  # shardserver.codec.split
                 except EngineBodyError as exc:
-                    self._fail(e, str(exc), "server")
-                    return
+                    bad_bodies += 1
+                    if bad_bodies > self.cfg.engine.bad_body_resends:
+                        self._fail(e, str(exc) if bad_bodies == 1 else
+                                   f"{exc} (the engine's answer was unusable {bad_bodies} times; "
+                                   f"engine.bad_body_resends = {self.cfg.engine.bad_body_resends})", "server")
+                        return
+                    self.counters["engine_bad_bodies_resent"] += 1
+                    log.warning("encoder %d: future %s: unusable engine answer (%s): sending the request again",
+                                self.shard, e.fid, exc)
+                    continue
                 finally:
                     self.engine.release(data)
                 del data

@@ -18,6 +18,9 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
 * ``idle_close_s``: close (FIN) a keep-alive connection idle this long (uvicorn: 5 s).
 * ``drop_before_response``: the next N completions are read, then the connection is closed
   without a response byte; ``drop_how`` = ``"close"`` (FIN) or ``"reset"`` (RST).
+* ``garble``: the next N completions are answered 200 with the first half of the body and a
+  Content-Length of that half: a complete answer whose JSON is broken (a proxy's or a
+  transport's corruption; vLLM itself never sends one).
 * ``truncate``: the next N completions get the headers (full Content-Length) and half the body,
   then a FIN.
 * ``status`` (+ ``status_body`` = ``vllm`` | ``router`` | ``empty`` | ``proxy`` | ``engine_dead`` | ``router_send`` |
@@ -50,7 +53,7 @@ it through ``SSL_CERT_FILE`` (:data:`TLS_CERT`), as OpenSSL's default verify pat
 
 ``GET /_fake/log`` returns one entry per completion request: ``conn`` (connection number),
 ``nth`` (request number on that connection), ``request_id`` (``X-Request-Id``), ``action``
-(``ok``, ``reset``, ``drop``, ``truncate``, ``status``, ``abort``, ``error``), ``t`` (monotonic
+(``ok``, ``reset``, ``drop``, ``truncate``, ``garble``, ``status``, ``abort``, ``error``), ``t`` (monotonic
 seconds) and ``request`` (the parsed JSON body). ``GET /health`` answers 200.
 
 :class:`FakeEngine` runs this script; :class:`SimEngineProcess` runs ``shardserver engine-sim``
@@ -81,7 +84,7 @@ DEFAULTS: dict[str, Any] = {
     "drop_how": "close",
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
     "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "api_key": None, "script": None, "pad_bytes": 0, "pad_how": "chunked",
-    "crash_resets": False, "max_running": 0,
+    "crash_resets": False, "max_running": 0, "garble": 0,
 }
 PHRASES = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout", 413: "Request Entity Too Large",
            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
@@ -330,6 +333,11 @@ class _Server:
             await writer.drain()
             writer.close()
             return False
+        if cfg["garble"] > 0:
+            cfg["garble"] -= 1
+            entry["action"] = "garble"
+            await self.send(writer, 200, body[: len(body) // 2])  # whole by its Content-Length, broken JSON
+            return True
         if cfg["pad_bytes"] > 0:
             pad, cfg["pad_bytes"] = cfg["pad_bytes"], 0
             entry["action"] = "pad"

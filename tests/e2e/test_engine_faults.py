@@ -578,6 +578,29 @@ def test_a_pinned_engine_model_the_engine_no_longer_serves_is_the_deployments_fa
         assert_result(*retrieve(api, rid), prompt, 1)
 
 
+def test_an_unusable_200_body_is_sent_again_once_then_fails():
+    """Found by a break test: a 200 whose body is whole by its Content-Length but broken JSON (a
+    proxy's or the network's corruption; vLLM never sends one) failed the sample at once. It is
+    sent again (engine.bad_body_resends = 1): one broken answer costs nothing; an engine whose
+    every answer is broken still fails the sample, after two attempts, saying so."""
+    with FakeEngine(garble=1) as eng, gateway(eng.url) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid, prompt = submit(api, ssid, 112, 0)
+        assert_result(*retrieve(api, rid), prompt, 0)
+        assert [(e["request_id"], e["action"]) for e in completions(eng)] == [(f"{rid}-a1", "garble"),
+                                                                              (f"{rid}-a2", "ok")]
+        assert counters(s)["engine_bad_bodies_resent"] == 1
+        eng.configure(garble=5)
+        rid, _ = submit(api, ssid, 112, 1)
+        st, _, b = retrieve(api, rid)
+        err = json.loads(b)
+        assert st == 200 and err["category"] == "server", err
+        assert err["error"].startswith("bad engine body") and err["error"].endswith(
+            "(the engine's answer was unusable 2 times; engine.bad_body_resends = 1)"), err
+        assert [e["action"] for e in completions(eng)][2:] == ["garble", "garble"]
+
+
 def test_no_pooled_connection_within_pool_wait_answers_410():
     """A request that never got a connection was never sent: 410 (the SDK resubmits), not a failure."""
     with FakeEngine(delay_s=2.0) as eng, gateway(eng.url, pool_size=1, pool_wait_s=0.5) as s:
