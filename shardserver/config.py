@@ -289,8 +289,10 @@ class EngineConfig:
 class FuturesConfig:
     """Future lifetimes (TTLs) and long-poll pacing, all in seconds."""
 
-    # The engine never answered: the future answers 410 after this.
-    pending_ttl_s: float = 3600.0
+    # The engine never answered: the future answers 410 after this (the SDK resubmits), even while
+    # its engine call runs; above engine.max_request_s (the longest a call on a live engine is
+    # awaited), or samples queued that long in a busy engine are resubmitted forever.
+    pending_ttl_s: float = 18000.0
     # Completed but never delivered.
     completed_ttl_s: float = 1800.0
     # When a SUBMIT finds no room in the arena even after evicting delivered results, results

@@ -308,7 +308,7 @@ class EncoderCore:
     def _set_deadline(self, e: FutureEntry, ttl: float, now: float | None = None) -> None:
         """Give ``e`` a new TTL deadline (``now`` + ``ttl`` s, monotonic). The TTL index keeps the
         superseded items and those of dropped futures until their own deadlines (up to
-        ``futures.pending_ttl_s``, an hour): once they outnumber the live ones, it is rebuilt from
+        ``futures.pending_ttl_s``, 5 h by default): once they outnumber the live ones, it is rebuilt from
         the table, so it never holds more than ``2 × (the most futures the table held) + HEAP_SLACK + 1``
         items."""
         e.deadline = (time.monotonic() if now is None else now) + ttl

@@ -238,20 +238,22 @@ def test_poller_is_turned_off_for_the_run_when_its_journals_cannot_be_kept(tmp_p
 
 def test_pending_ttl_below_the_engine_timeout_is_logged_with_both_numbers():
     """A future expires (410) after ``futures.pending_ttl_s`` even while the engine runs it, and the
-    SDK resubmits: with the TTL below ``engine.timeout_s`` a slow sample is resubmitted forever."""
+    SDK resubmits: with the TTL below ``engine.max_request_s`` (how long a call on a live engine is
+    awaited) a slow or long-queued sample is resubmitted forever."""
     from shardserver.testing import RunningServer
 
     env = {"SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
            "SHARDSERVER_SHARDS__ARENA_BYTES": str(8 * 1024 * 1024), "SHARDSERVER_FUTURES__PENDING_TTL_S": "60",
-           "SHARDSERVER_ENGINE__TIMEOUT_S": "120"}
+           "SHARDSERVER_ENGINE__TIMEOUT_S": "100", "SHARDSERVER_ENGINE__MAX_REQUEST_S": "120"}
     with RunningServer(env=env) as s:
         pass
     warned = [line for line in s.log_lines if "futures.pending_ttl_s" in line]
     assert len(warned) == 1, s.log_lines
-    assert (f"WARNING shardserver.supervisor[{s.proc.pid}]: futures.pending_ttl_s = 60 s is below engine.timeout_s "
+    assert (f"WARNING shardserver.supervisor[{s.proc.pid}]: futures.pending_ttl_s = 60 s is below engine.max_request_s "
             f"= 120 s: a sample the engine takes longer than 60 s for expires (410) and the SDK resubmits it, again "
-            f"each time; raise futures.pending_ttl_s above engine.timeout_s") in warned[0]
-    # The shipped defaults (3600 s and 900 s) say nothing.
-    with RunningServer(env={k: v for k, v in env.items() if "TTL" not in k and "TIMEOUT" not in k}) as s:
+            f"each time; raise futures.pending_ttl_s above engine.max_request_s") in warned[0]
+    # The shipped defaults (18000 s and 14400 s) say nothing.
+    with RunningServer(env={k: v for k, v in env.items() if "TTL" not in k and "__MAX_REQ" not in k
+                            and "TIMEOUT" not in k}) as s:
         pass
     assert not any("futures.pending_ttl_s" in line for line in s.log_lines)

@@ -438,7 +438,7 @@ def test_session_poll_acks_free_results_of_that_session_only(core):
 
 
 def test_ttl_heap_stays_bounded_when_futures_are_acked_and_ttls_still_fire(core, monkeypatch):
-    """Every future pushes a TTL heap item at SUBMIT (futures.pending_ttl_s, an hour), at
+    """Every future pushes a TTL heap item at SUBMIT (futures.pending_ttl_s, 5 h by default), at
     completion and at delivery; an ack drops the future but used to leave its items in the heap
     until their deadlines: ~3 items (~0.5 KB with the fid) per result for up to an hour, so a
     gateway at 500 results/s grew by ~0.8 GB (burst-32k with 64 tokens, 150,000 results: encoder
