@@ -59,7 +59,8 @@ Recovery needs nothing: the next answer ends it.
 Timeouts: ``engine.timeout_s`` bounds one attempt (connecting, sending, waiting for and reading
 the answer) while the engine shows no sign of life; an engine that answers other requests or
 health probes has this one queued or generating (vLLM runs ``max_num_seqs`` at once and queues
-the rest), so the attempt waits on, up to ``engine.max_request_s`` (:meth:`EngineClient._timed`). The encoder starts at most ``engine.pool_size`` engine calls at once, so an attempt
+the rest), so the attempt waits on, up to ``engine.max_request_s`` (:meth:`EngineClient._timed`).
+The encoder starts at most ``engine.pool_size`` engine calls at once, so an attempt
 never waits for a pooled connection: that wait happens in the encoder's queue, before the call,
 bounded by ``engine.pool_wait_s``. Idle pooled connections are dropped after
 ``engine.pool_idle_s`` (default 4 s, below the 5 s after which vLLM's uvicorn closes an idle
