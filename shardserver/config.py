@@ -169,8 +169,8 @@ class EngineConfig:
     read_idle_timeout_s: float = 60.0
     # A connection to the engine whose peer stops acknowledging (its host crashed or lost power,
     # a network partition, a pod gone behind a Service: no FIN or RST ever comes) is found dead
-    # after about this long, by TCP keepalive probes while the engine generates and
-    # TCP_USER_TIMEOUT while the request is unacknowledged; its requests are then re-forwarded
+    # after about this long, by TCP keepalive probes while the engine generates (a request still
+    # unacknowledged then is left to the kernel's retransmission limit); it is then re-forwarded
     # (engine.unavailable_budget_s) instead of waiting out timeout_s. An engine that is only slow
     # or busy is never taken for dead: its kernel acknowledges the probes. 0: off (timeout_s only).
     dead_connection_s: float = 60.0

@@ -727,22 +727,25 @@ class _Inflater:
 def dead_peer_options(seconds: float) -> list[tuple[int, int, int]]:
     """The ``setsockopt`` triples ``(level, option, value)`` that make the kernel declare a TCP
     connection dead when its peer acknowledges nothing for about ``seconds`` (``engine.
-    dead_connection_s``): keepalive probes after ``seconds / 3`` idle, then up to 6 more, and
-    ``TCP_USER_TIMEOUT`` (milliseconds) for data sent and never acknowledged. The connection then
-    fails with ``ETIMEDOUT`` (``connection_lost``), as a reset one does. Empty for 0 (off) or
-    where Linux's options are missing.
+    dead_connection_s``) while the connection waits for the answer: keepalive probes after
+    ``seconds / 3`` idle, then up to 6 more. The connection then fails with ``ETIMEDOUT``
+    (``connection_lost``), as a reset one does. Empty for 0 (off) or where Linux's options are
+    missing.
 
     A busy or slow engine is never taken for dead: its kernel acknowledges the probes however
     long the generation takes. Only a peer that is gone (host down, partition) stops answering.
+    ``TCP_USER_TIMEOUT`` is not used: Linux applies it to a peer that holds a zero window too
+    (an engine that reads nothing of a large request for a while), although that peer
+    acknowledges every probe. A request still unacknowledged when the peer vanished is left to
+    the kernel's retransmission limit (``net.ipv4.tcp_retries2``, ~15 min).
     """
-    if seconds <= 0 or not hasattr(socket, "TCP_KEEPIDLE") or not hasattr(socket, "TCP_USER_TIMEOUT"):
+    if seconds <= 0 or not hasattr(socket, "TCP_KEEPIDLE"):
         return []
     idle = max(1, int(seconds // 3))
     interval = max(1, int((seconds - idle) // 6))
     count = max(1, min(6, int((seconds - idle) // interval)))
     return [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1), (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle),
-            (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval), (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count),
-            (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))]
+            (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval), (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)]
 
 
 def set_options(sock: Any, options: list[tuple[int, int, int]]) -> None:

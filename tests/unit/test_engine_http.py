@@ -1199,15 +1199,15 @@ def test_a_close_delimited_answer_waits_for_room_and_arrives_whole() -> None:
 def test_engine_connections_carry_keepalive_probes_sized_by_dead_connection_s(transport: str) -> None:
     """``engine.dead_connection_s`` (e2e/test_engine_partition.py shows the effect): every engine
     connection, http:// (EnginePool) and https:// (aiohttp, driven over http:// here), has TCP
-    keepalive on with probes after a third of it and ``TCP_USER_TIMEOUT`` of all of it; 0 leaves
-    the kernel's defaults (no keepalive)."""
+    keepalive on with probes after a third of it, then 6 more at most (no ``TCP_USER_TIMEOUT``: see
+    the next test); 0 leaves the kernel's defaults (no keepalive)."""
     from shardserver.config import EngineConfig
     from shardserver.engine_client import EngineClient
     from shardserver.engine_http import dead_peer_options
     from shardserver.engine_https import HttpsTransport
 
-    assert [v for _, _, v in dead_peer_options(60)] == [1, 20, 6, 6, 60000]  # 20 + 6 x 6 = 56 s of silence
-    assert [v for _, _, v in dead_peer_options(3)] == [1, 1, 1, 2, 3000]
+    assert [v for _, _, v in dead_peer_options(60)] == [1, 20, 6, 6]  # 20 + 6 x 6 = 56 s of silence
+    assert [v for _, _, v in dead_peer_options(3)] == [1, 1, 1, 2]
     assert dead_peer_options(0) == []
 
     def options(sock: socket.socket) -> tuple[int, ...]:
@@ -1235,5 +1235,44 @@ def test_engine_connections_carry_keepalive_probes_sized_by_dead_connection_s(tr
             assert status == 200
             return got
 
-    assert run(one(60)) == (1, 20, 6, 6, 60000)
+    assert run(one(60)) == (1, 20, 6, 6, 0)
     assert run(one(0))[0] == 0 and run(one(0))[4] == 0
+
+
+def test_an_engine_that_reads_nothing_for_a_while_is_not_taken_for_dead() -> None:
+    """Found by a break test: ``TCP_USER_TIMEOUT`` (once part of ``engine.dead_connection_s``) also
+    aborts a connection whose peer advertises a zero window, although the peer acknowledges every
+    probe: an engine whose event loop is busy, reading nothing of a large request for a while, was
+    taken for dead, and every re-forward met the same. Here the engine (a 4 KiB receive buffer)
+    reads nothing of a 1 MiB request for 3.5 s with ``dead_connection_s`` = 2: the answer arrives."""
+    import time as _time
+
+    async def main() -> tuple[int, bytes, float]:
+        lsock = socket.socket()
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(4)
+        lsock.setblocking(False)
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await asyncio.sleep(3.5)  # busy: the client's request fills the window and waits
+            head = await r.readuntil(b"\r\n\r\n")
+            n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await r.readexactly(n)
+            w.write(ok())
+            await w.drain()
+
+        server = await asyncio.start_server(handle, sock=lsock)
+        url = f"http://127.0.0.1:{lsock.getsockname()[1]}/v1/completions"
+        pool, _ = pool_for(url, dead_connection_s=2)
+        t0 = _time.monotonic()
+        try:
+            status, body, _ = await pool.post(b"x" * (1 << 20), {}, limit=1 << 20)
+            return status, bytes(body), _time.monotonic() - t0
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    status, body, took = run(main())
+    assert (status, body) == (200, BODY) and took >= 3.5
