@@ -50,6 +50,8 @@ ENV_PREFIX = "SHARDSERVER_"
 # within RECEIVE_BUFFER_RANGE (bytes).
 RECEIVE_BUFFERS_PER_ENCODER = 128 << 20
 RECEIVE_BUFFER_RANGE = (64 << 10, 1 << 20)
+#: engine.max_request_s when it is 0 (seconds), unless engine.timeout_s is longer.
+MAX_REQUEST_DEFAULT_S = 14400.0
 MiB = 1024 * 1024
 
 
@@ -160,8 +162,9 @@ class EngineConfig:
     # this): it keeps waiting, up to max_request_s.
     timeout_s: float = 900.0
     # Longest wait for one engine request however alive the engine is (a request stuck in an engine
-    # that answers everything else); >= timeout_s.
-    max_request_s: float = 14400.0
+    # that answers everything else); >= timeout_s. 0 (the default): max(4 h, timeout_s), see
+    # request_cap().
+    max_request_s: float = 0.0
     connect_timeout_s: float = 5.0
     # Once an answer's header section has arrived, silence on its connection for this long means
     # the connection is dead (a partition, a hung proxy): the request is re-forwarded like any
@@ -246,8 +249,8 @@ class EngineConfig:
                and self.api_key.strip() == self.api_key, "must be printable ASCII without surrounding spaces")
         _check(self.timeout_s, "engine.timeout_s", self.timeout_s > 0, "must be > 0")
         _check(self.bad_body_resends, "engine.bad_body_resends", 0 <= self.bad_body_resends <= 10, "must be 0 .. 10")
-        _check(self.max_request_s, "engine.max_request_s", self.max_request_s >= self.timeout_s,
-               f"must be >= engine.timeout_s ({self.timeout_s:g})")
+        _check(self.max_request_s, "engine.max_request_s", self.max_request_s == 0 or self.max_request_s >= self.timeout_s,
+               f"must be 0 (max(14400, engine.timeout_s)) or >= engine.timeout_s ({self.timeout_s:g})")
         _check(self.connect_timeout_s, "engine.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
         _check(self.read_idle_timeout_s, "engine.read_idle_timeout_s", self.read_idle_timeout_s >= 0, "must be >= 0")
         _check(self.dead_connection_s, "engine.dead_connection_s",
@@ -274,6 +277,12 @@ class EngineConfig:
         if self.answer_budget_bytes >= 0:
             return self.answer_budget_bytes
         return (16 if urlsplit(url).scheme == "http" else 64) * 1024 * 1024  # as EngineClient.start
+
+    def request_cap(self) -> float:
+        """``max_request_s`` in effect (seconds): the configured value, or for 0
+        max(:data:`MAX_REQUEST_DEFAULT_S`, ``timeout_s``), so a ``timeout_s`` set above 4 h
+        before this key existed still starts."""
+        return self.max_request_s or max(MAX_REQUEST_DEFAULT_S, self.timeout_s)
 
     def receive_buffer(self) -> int:
         """``receive_buffer_bytes`` in effect (bytes; 0: the kernel's autotuning): the configured

@@ -522,6 +522,7 @@ class EngineClient:
         server) is raised, saying which bound ended it.
         """
         cfg = self.cfg
+        cap = cfg.request_cap()
         loop = asyncio.get_running_loop()
         start = loop.time()
         why: list[str] = []
@@ -534,14 +535,14 @@ class EngineClient:
                 since = f"for {silent_s:.1f} s" if silent_s < math.inf else "since the gateway started"
                 why.append(f"engine timed out after {now - start:.1f} s (engine.timeout_s = {cfg.timeout_s:g}): "
                            f"no answer to this request, and none to any other request or health probe {since}")
-            elif now - start >= cfg.max_request_s:
+            elif now - start >= cap:
                 why.append(f"engine timed out after {now - start:.1f} s (engine.max_request_s = "
-                           f"{cfg.max_request_s:g}): no answer to this request, though the engine answers others")
+                           f"{cap:g}): no answer to this request, though the engine answers others")
             else:
                 if now - start >= cfg.timeout_s and "waited" not in why:
                     why.append("waited")
                     self.counters["engine_waits_past_timeout"] += 1
-                timer = loop.call_at(min(now + LIFE_RECHECK_S, start + cfg.max_request_s), judge)
+                timer = loop.call_at(min(now + LIFE_RECHECK_S, start + cap), judge)
                 return
             scope.reschedule(now)  # expires at once: the attempt is cancelled
 

@@ -439,13 +439,13 @@ class Supervisor:
                 log.warning("server.backlog = %d is above net.core.somaxconn = %d: the kernel caps the listen "
                             "backlog at %d (raise it with: sysctl -w net.core.somaxconn=%d)",
                             cfg.server.backlog, cap, cap, cfg.server.backlog)
-            if cfg.futures.pending_ttl_s < cfg.engine.max_request_s:
+            if cfg.futures.pending_ttl_s < cfg.engine.request_cap():
                 # A future expires (410) while a live engine may still run it (or hold it queued); the
                 # SDK resubmits, and a request the engine always takes that long is resubmitted forever.
                 log.warning("futures.pending_ttl_s = %g s is below engine.max_request_s = %g s: a sample the engine "
                             "takes longer than %g s for expires (410) and the SDK resubmits it, again each time; "
                             "raise futures.pending_ttl_s above engine.max_request_s", cfg.futures.pending_ttl_s,
-                            cfg.engine.max_request_s, cfg.futures.pending_ttl_s)
+                            cfg.engine.request_cap(), cfg.futures.pending_ttl_s)
             self.sock = self._bind_listener()
             host, port = self.sock.getsockname()[:2]
             self.address = (host, port)

@@ -62,12 +62,24 @@ def test_env_overrides_file_values():
     ({"engine": {"connect_retries": 2}}, {}, "engine.connect_retries"),
     ({"engine": {"url": "http://u:p@h:8000", "api_key": "sk-1"}}, {}, "engine.api_key"),
     ({}, {"SHARDSERVER_ENGINE__API_KEY": "sk-1\n"}, "engine.api_key"),
+    ({"engine": {"timeout_s": 900, "max_request_s": 600}}, {}, "engine.max_request_s"),
+    ({"engine": {"dead_connection_s": 1}}, {}, "engine.dead_connection_s"),
+    ({"engine": {"bad_body_resends": 11}}, {}, "engine.bad_body_resends"),
 ])
 def test_invalid_config_names_the_key(data, env, key):
     with pytest.raises(ConfigError) as ei:
         config_from_mapping(data, env=env)
     assert ei.value.key == key
     assert key in str(ei.value)
+
+
+def test_max_request_s_follows_a_long_timeout_unless_set():
+    """Found by a break test: ``engine.max_request_s`` (new, must be >= ``engine.timeout_s``) with a
+    fixed 4 h default refused a config that only set ``timeout_s = 20000``. Its default, 0, is
+    max(4 h, timeout_s)."""
+    assert config_from_mapping({"engine": {"timeout_s": 20000}}, env={}).engine.request_cap() == 20000
+    assert config_from_mapping({}, env={}).engine.request_cap() == 14400
+    assert config_from_mapping({"engine": {"max_request_s": 900}}, env={}).engine.request_cap() == 900
 
 
 @pytest.mark.parametrize("url", ["http://", "http://127.0.0.1:99999", "ftp://h", "http://h:8000/x?y=1", "h:8000"])
