@@ -288,6 +288,10 @@ class EngineClient:
         self.life_window_s = max(LIFE_WINDOW_S, 3 * cfg.health_interval_s)
         # Called at every engine answer (the encoder's EngineProbe.kick: a failed probe is re-run at once).
         self.on_answer: Callable[[], None] | None = None
+        # A probe to run now (the encoder's EngineProbe.check_life) when an attempt passes
+        # engine.timeout_s on an engine this client heard nothing from (see _timed); its task.
+        self.check_life: Callable[[], Awaitable[bool]] | None = None
+        self._life_check: asyncio.Task[bool] | None = None
 
     @property
     def counters(self) -> MutableMapping[str, int]:
@@ -323,6 +327,9 @@ class EngineClient:
 
     async def close(self) -> None:
         """Close the pools (idempotent)."""
+        if self._life_check is not None:
+            self._life_check.cancel()
+            self._life_check = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -517,7 +524,10 @@ class EngineClient:
         At ``engine.timeout_s`` after the start it is judged: if the engine answered anything
         (another request, a health probe) within the last :attr:`life_window_s`, it is alive and
         this request is queued or generating in it, so the attempt keeps waiting, judged again
-        every :data:`LIFE_RECHECK_S`; up to ``engine.max_request_s`` in all. Given up, the attempt is
+        every :data:`LIFE_RECHECK_S`; up to ``engine.max_request_s`` in all. When this client heard
+        nothing for that long (each encoder has its own client: with probing off, one whose calls
+        are all still running has no answer of its own), :attr:`check_life` probes the engine
+        first, and the verdict waits for it. Given up, the attempt is
         cancelled (its connection closed, so vLLM aborts the request) and EngineError (category
         server) is raised, saying which bound ended it.
         """
@@ -527,10 +537,23 @@ class EngineClient:
         start = loop.time()
         why: list[str] = []
 
+        asked = False  # a probe was run for this attempt's silence (check_life)
+
         def judge() -> None:
-            nonlocal timer
+            nonlocal timer, asked
             now = loop.time()
             silent_s = time.monotonic() - self._life_at
+            if silent_s >= self.life_window_s and self.check_life is not None and not asked:
+                # This encoder heard nothing (probing off, and its own calls all still running):
+                # ask the engine now; the verdict waits for the probe (engine.connect_timeout_s).
+                asked = True
+                if self._life_check is None or self._life_check.done():
+                    self._life_check = loop.create_task(self.check_life())
+                    self._life_check.add_done_callback(lambda t: t.cancelled() or t.exception())
+                timer = loop.call_at(min(now + cfg.connect_timeout_s + 0.5, start + cap), judge)
+                return
+            if silent_s < self.life_window_s:
+                asked = False
             if silent_s >= self.life_window_s:
                 since = f"for {silent_s:.1f} s" if silent_s < math.inf else "since the gateway started"
                 why.append(f"engine timed out after {now - start:.1f} s (engine.timeout_s = {cfg.timeout_s:g}): "

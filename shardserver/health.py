@@ -218,6 +218,26 @@ class EngineProbe:
                 parts.append(chunk)
             return resp.status, b"".join(parts)
 
+    async def check_life(self) -> bool:
+        """One ``GET /health`` now, for :meth:`EngineClient._timed
+        <shardserver.engine_client.EngineClient._timed>` (an attempt past ``engine.timeout_s`` on an
+        engine this encoder has heard nothing from: another encoder may have had its answers).
+        With periodic probing on it is recorded like any probe (:meth:`check_once`); with it off
+        (``engine.health_interval_s = 0``) only ``on_ok`` is called, and readiness is left as it is.
+        Returns whether the engine answered (any status below 500)."""
+        if self._pool is None and self._session is None:
+            self.open()
+        if self.interval_s > 0:
+            return await self.check_once()
+        try:
+            status, _ = await self._get(models=False)
+            ok = status < 500
+        except (asyncio.TimeoutError, *self._errors):
+            ok = False
+        if ok and self.on_ok is not None:
+            self.on_ok()
+        return ok
+
     async def check_once(self) -> bool:
         """Probe once and record the result; returns whether the engine is reachable."""
         assert self._session is not None or self._pool is not None, "EngineProbe.start() was not called"

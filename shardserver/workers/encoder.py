@@ -1269,6 +1269,7 @@ class EncoderProc:
         probe.on_ok = engine.probe_ok  # a healthy engine nobody is retrying is no longer "unavailable"
         probe.outage = lambda: engine.unavailable() is not None  # probe every DOWN_PROBE_S meanwhile
         engine.on_answer = probe.kick  # an answered request re-runs a failed probe at once
+        engine.check_life = probe.check_life  # an attempt past engine.timeout_s on a silent engine asks it
         core = EncoderCore(cfg, shard, arena, engine, IdSigner(secret, run_id, cfg.server.host_id),
                            engine_probe=probe, journal=journal, cursor_tag=cursor_tag(run_id))
         if taken:

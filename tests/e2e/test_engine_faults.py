@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -520,28 +521,71 @@ def test_samples_queued_inside_a_busy_engine_wait_past_timeout_s():
         assert "failed_server" not in c and c["engine_waits_past_timeout"] >= 4, c
 
 
+def test_an_encoder_that_heard_nothing_asks_the_engine_before_judging_it_silent():
+    """Found by a second break test: each encoder judges the engine's life by what it heard itself.
+    Two shards, probing off, an engine that generates one request at a time (1 s each): three
+    samples of shard 0 are ahead of shard 1's only one in the engine's queue. At timeout_s (2 s)
+    shard 1 has had no answer at all, while shard 0 had two; before, its sample failed "none to
+    any other request or health probe". Now it asks the engine (GET /health) first: alive, so the
+    sample waits its turn (4 s) and is served, token for token."""
+    from shardserver.ids import shard_of
+
+    with FakeEngine(max_running=1, delay_s=1.0) as eng, \
+            gateway(eng.url, shards=2, timeout_s=2, health_interval_s=0) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        seqs = {0: [], 1: []}
+        for seq in range(100):
+            seqs[shard_of(f"{ssid}#{seq}", 2)].append(seq)
+        order = seqs[0][:3] + seqs[1][:1]
+        jobs = [(seq, *submit(api, ssid, 113, seq)) for seq in order]
+        for seq, rid, prompt in jobs:
+            assert_result(*retrieve(api, rid), prompt, seq)
+        log = completions(eng)
+        assert [e["request_id"] for e in log] == [f"{rid}-a1" for _, rid, _ in jobs]  # in order, each once
+        c = counters(s)
+        assert "failed_server" not in c and c["engine_waits_past_timeout"] >= 2, c
+
+
 def test_a_request_the_engine_never_answers_fails_at_timeout_s_when_silent_else_at_max_request_s():
     """The bounds that are left. An engine that answers health probes (alive) but never this
     request: the attempt waits past engine.timeout_s (1 s) and fails at engine.max_request_s (3 s),
-    saying so. With no health probes and no other answer, nothing shows the engine alive: it fails
-    at engine.timeout_s, saying that nothing answered."""
+    saying so. An engine that answers nothing at all (SIGSTOPped: its kernel still accepts
+    connections), with periodic probing off: at timeout_s the encoder asks it (GET /health, bounded
+    by engine.connect_timeout_s = 1 s), hears nothing, and the sample fails, saying nothing answered."""
     with FakeEngine(delay_s=60) as eng:
-        for probes, bound_s, words in ((0.3, 3.0, "(engine.max_request_s = 3): no answer to this request, though "
-                                                  "the engine answers others"),
-                                       (0, 1.0, "(engine.timeout_s = 1): no answer to this request, and none to any "
-                                                "other request or health probe since the gateway started")):
-            with gateway(eng.url, timeout_s=1, max_request_s=3, health_interval_s=probes) as s:
-                api = Api(s.url)
-                ssid = api.sampling_session()
-                time.sleep(0.5)  # (the first probe answered)
-                t0 = time.monotonic()
-                rid, _ = submit(api, ssid, 110, 0)
+        with gateway(eng.url, timeout_s=1, max_request_s=3) as s:
+            api = Api(s.url)
+            ssid = api.sampling_session()
+            t0 = time.monotonic()
+            rid, _ = submit(api, ssid, 110, 0)
+            st, h, body = retrieve(api, rid)
+            took = time.monotonic() - t0
+            err = json.loads(body)
+            assert st == 200 and err["category"] == "server", err
+            assert err["error"].startswith("engine timed out after 3.") and err["error"].endswith(
+                "(engine.max_request_s = 3): no answer to this request, though the engine answers others"), err
+            assert 3.0 <= took < 6.0, took
+        with gateway(eng.url, timeout_s=1, max_request_s=30, health_interval_s=0, connect_timeout_s=1) as s:
+            api = Api(s.url)
+            ssid = api.sampling_session()
+            t0 = time.monotonic()
+            rid, _ = submit(api, ssid, 110, 1)
+            deadline = time.monotonic() + 5
+            while len(completions(eng)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.kill(eng.proc.pid, signal.SIGSTOP)
+            try:
                 st, h, body = retrieve(api, rid)
                 took = time.monotonic() - t0
-                err = json.loads(body)
-                assert st == 200 and err["category"] == "server", err
-                assert err["error"].startswith("engine timed out after ") and words in err["error"], err
-                assert bound_s <= took < bound_s + 3, took
+            finally:
+                os.kill(eng.proc.pid, signal.SIGCONT)
+            err = json.loads(body)
+            assert st == 200 and err["category"] == "server", err
+            assert err["error"].startswith("engine timed out after ") and err["error"].endswith(
+                "(engine.timeout_s = 1): no answer to this request, and none to any other request or health probe "
+                "since the gateway started"), err
+            assert 2.5 <= took < 6.0, took
 
 
 def test_a_pinned_engine_model_the_engine_no_longer_serves_is_the_deployments_fault():
