@@ -480,7 +480,11 @@ class ArenaWriter:
 
     def free(self, slot: Slot) -> None:
         """Invalidate the slot for readers and return its space to the free list; the memory
-        pages it leaves entirely free go back to the kernel (see :meth:`_release_pages`)."""
+        pages it leaves entirely free go back to the kernel (see :meth:`_release_pages`). After
+        :meth:`close`, nothing: the segment goes with the encoder (a control request answered
+        during its shutdown may still free results)."""
+        if self._mm.closed:
+            return
         struct.pack_into("<Q", self._mm, slot.offset, 0)
         slot.generation = 0
         self.live_slots -= 1

@@ -437,6 +437,24 @@ def test_session_poll_acks_free_results_of_that_session_only(core):
     asyncio.run(go())
 
 
+def test_a_session_poll_after_the_arena_closed_acks_without_touching_it(core):
+    """Found by a break test: on SIGTERM to the whole process group, an encoder closes its arena
+    while its control connections may still deliver a SESSION_POLL; the poll's acks freed their
+    results' slots in the closed mapping (``TypeError: argument must be read-write bytes-like
+    object, not mmap.mmap`` in the log). Freeing after close is now nothing (the segment goes with
+    the process); the acks are still taken (the futures leave the table)."""
+    async def go():
+        done = core.submit(*_meta(2, 10)).request_id
+        await asyncio.sleep(0.05)
+        assert core.table[done].state == "done"
+        core.close("server shutting down")
+        core.arena.close()
+        await core.session_poll(_sp(acks=[done]))
+        assert done not in core.table and core.counters["acked"] == 1
+
+    asyncio.run(go())
+
+
 def test_ttl_heap_stays_bounded_when_futures_are_acked_and_ttls_still_fire(core, monkeypatch):
     """Every future pushes a TTL heap item at SUBMIT (futures.pending_ttl_s, 5 h by default), at
     completion and at delivery; an ack drops the future but used to leave its items in the heap
