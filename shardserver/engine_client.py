@@ -531,59 +531,18 @@ class EngineClient:
         cancelled (its connection closed, so vLLM aborts the request) and EngineError (category
         server) is raised, saying which bound ended it.
         """
-        cfg = self.cfg
-        cap = cfg.request_cap()
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        why: list[str] = []
-
-        asked = False  # a probe was run for this attempt's silence (check_life)
-
-        def judge() -> None:
-            nonlocal timer, asked
-            now = loop.time()
-            silent_s = time.monotonic() - self._life_at
-            if silent_s >= self.life_window_s and self.check_life is not None and not asked:
-                # This encoder heard nothing (probing off, and its own calls all still running):
-                # ask the engine now; the verdict waits for the probe (engine.connect_timeout_s).
-                asked = True
-                if self._life_check is None or self._life_check.done():
-                    self._life_check = loop.create_task(self.check_life())
-                    self._life_check.add_done_callback(lambda t: t.cancelled() or t.exception())
-                timer = loop.call_at(min(now + cfg.connect_timeout_s + 0.5, start + cap), judge)
-                return
-            if silent_s < self.life_window_s:
-                asked = False
-            if silent_s >= self.life_window_s:
-                since = f"for {silent_s:.1f} s" if silent_s < math.inf else "since the gateway started"
-                why.append(f"engine timed out after {now - start:.1f} s (engine.timeout_s = {cfg.timeout_s:g}): "
-                           f"no answer to this request, and none to any other request or health probe {since}")
-            elif now - start >= cap:
-                why.append(f"engine timed out after {now - start:.1f} s (engine.max_request_s = "
-                           f"{cap:g}): no answer to this request, though the engine answers others")
-            else:
-                if now - start >= cfg.timeout_s and "waited" not in why:
-                    why.append("waited")
-                    self.counters["engine_waits_past_timeout"] += 1
-                timer = loop.call_at(min(now + LIFE_RECHECK_S, start + cap), judge)
-                return
-            scope.reschedule(now)  # expires at once: the attempt is cancelled
-
-        timer = loop.call_at(start + cfg.timeout_s, judge)
+        clock = _AttemptClock(self)
         try:
-            async with asyncio.timeout(None) as scope:
+            async with asyncio.timeout(None) as clock.scope:
                 return await attempt
         except TimeoutError:
-            if not scope.expired() or not why or why[-1] == "waited":
+            if not clock.scope.expired() or clock.verdict is None:
                 raise
-            raise EngineError(why[-1], status=None, category="server") from None
+            raise EngineError(clock.verdict, status=None, category="server") from None
         finally:
-            timer.cancel()
-            # judge refers to itself (it re-arms itself) and to the TimerHandle, through the cells
-            # of this frame: reference cycles of ~14 objects per attempt, which an encoder's rare
-            # cyclic GC (settle_gc) let pile up: +180 MiB of encoder PSS in the full soak-131k.
-            # Emptying the cells breaks them; refcounting frees the rest.
-            timer = judge = None  # type: ignore[assignment]
+            # Cancelling the timer empties its callback (the bound judge), so neither the clock
+            # nor its handle is left in a reference cycle for the encoder's rare cyclic GC.
+            clock.stop()
 
     @property
     def answer_bytes(self) -> int:
@@ -627,3 +586,69 @@ class EngineClient:
             self._pool.close_idle()
             if self._pool.waiting:
                 self._pool.wake()  # (under TCP memory pressure it lets waiting answers in)
+
+
+class _AttemptClock:
+    """The timing of one engine attempt (:meth:`EngineClient._timed`): when it started, whether
+    its silence has been asked about (a ``check_life`` probe), whether it has waited past
+    ``engine.timeout_s``, and the verdict that ends it (``None`` while it may go on).
+
+    :meth:`judge` runs on the event loop's timer at ``engine.timeout_s`` after the start, then
+    every :data:`LIFE_RECHECK_S` while the engine answers anything else; a verdict expires
+    :attr:`scope` (an ``asyncio.timeout``), which cancels the attempt.
+    """
+
+    __slots__ = ("client", "loop", "start", "cap", "asked", "waited", "verdict", "scope", "timer")
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+        self.loop = asyncio.get_running_loop()
+        self.start = self.loop.time()
+        self.cap = client.cfg.request_cap()  # seconds: engine.max_request_s, resolved
+        self.asked = False  # a probe was run for this silence (check_life)
+        self.waited = False  # judged alive once past engine.timeout_s (counted once)
+        self.verdict: str | None = None  # why the attempt was given up
+        self.scope: asyncio.Timeout | None = None
+        self.timer: asyncio.TimerHandle | None = self.loop.call_at(self.start + client.cfg.timeout_s, self.judge)
+
+    def _again(self, at: float) -> None:
+        self.timer = self.loop.call_at(min(at, self.start + self.cap), self.judge)
+
+    def judge(self) -> None:
+        """Decide at a deadline: wait on (re-arm), ask the engine first, or give up (verdict)."""
+        c = self.client
+        cfg = c.cfg
+        now = self.loop.time()
+        silent_s = time.monotonic() - c._life_at
+        if silent_s >= c.life_window_s and c.check_life is not None and not self.asked:
+            # This encoder heard nothing (probing off, and its own calls all still running):
+            # ask the engine now; the verdict waits for the probe (engine.connect_timeout_s).
+            self.asked = True
+            if c._life_check is None or c._life_check.done():
+                c._life_check = self.loop.create_task(c.check_life())
+                c._life_check.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._again(now + cfg.connect_timeout_s + 0.5)
+            return
+        if silent_s < c.life_window_s:
+            self.asked = False
+            if now - self.start < self.cap:
+                if now - self.start >= cfg.timeout_s and not self.waited:
+                    self.waited = True
+                    c.counters["engine_waits_past_timeout"] += 1
+                self._again(now + LIFE_RECHECK_S)
+                return
+            self.verdict = (f"engine timed out after {now - self.start:.1f} s (engine.max_request_s = "
+                            f"{self.cap:g}): no answer to this request, though the engine answers others")
+        else:
+            since = f"for {silent_s:.1f} s" if silent_s < math.inf else "since the gateway started"
+            self.verdict = (f"engine timed out after {now - self.start:.1f} s (engine.timeout_s = "
+                            f"{cfg.timeout_s:g}): no answer to this request, and none to any other "
+                            f"request or health probe {since}")
+        assert self.scope is not None
+        self.scope.reschedule(now)  # expires at once: the attempt is cancelled
+
+    def stop(self) -> None:
+        """The attempt ended: cancel the pending judgement."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
