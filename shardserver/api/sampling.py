@@ -21,7 +21,9 @@ import hashlib
 import logging
 import os
 import time
+from typing import Annotated
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -203,6 +205,10 @@ class _Refused(Exception):
         self.status, self.message = status, message
 
 
+#: A chunk's token ids as msgspec checks them: ints (not bool, not float) in [0, 2^31).
+_TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]
+
+
 def _prompt_tokens(req: SampleRequest) -> list[int]:
     """The prompt's token ids, every chunk concatenated.
 
@@ -216,13 +222,24 @@ def _prompt_tokens(req: SampleRequest) -> list[int]:
         if v not in (None, 0):
             raise _Refused(400, f"{name} is not supported by this gateway")
     tokens: list[int] = []
+    in_range = True  # every id so far came through the ranged conversion
     for i, chunk in enumerate(req.prompt.chunks):
         ctype = chunk.get("type", "encoded_text")
         if ctype != "encoded_text":
             raise _Refused(400, f"prompt.chunks[{i}]: chunk type {ctype!r} is not supported by this gateway "
                                 "(token prompts only)")
+        ids = chunk.get("tokens")
+        if type(ids) is list:
+            # Type and range in one C pass (~20 ns a token); anything it refuses takes the path
+            # below, whose errors (pydantic's, or the range message) are the answer.
+            try:
+                tokens.extend(msgspec.convert(ids, _TOKEN_IDS))
+                continue
+            except msgspec.ValidationError:
+                pass
         tokens.extend(EncodedTextChunk.model_validate(chunk).tokens)
-    if tokens and not (0 <= min(tokens) and max(tokens) < 2**31):
+        in_range = False
+    if tokens and not in_range and not (0 <= min(tokens) and max(tokens) < 2**31):
         bad = next(t for t in tokens if not 0 <= t < 2**31)
         raise _Refused(400, f"prompt token id {bad} is outside [0, 2^31)")
     if not tokens:
