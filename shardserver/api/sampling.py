@@ -49,7 +49,7 @@ from .common import CONNECTION_SCOPE_KEY, WAIT_WRITTEN_SCOPE_KEY, error, read_js
 from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
 from .state import FrontendContext, context
 
-__all__ = ["router", "PROTO_MEDIA_TYPE", "REFUSAL_STATUS", "RESULT_TAIL_BYTES", "ResultResponse", "asample",
+__all__ = ["router", "PROTO_MEDIA_TYPE", "REFUSAL_STATUS", "ARENA_FIRST_PIECE_BYTES", "ARENA_PIECE_BYTES", "ResultResponse", "asample",
            "retrieve_future", "request_digest"]
 
 log = logging.getLogger("shardserver.frontend")
@@ -74,7 +74,13 @@ router = APIRouter()
 
 #: Bytes at the end of a result sent straight from the arena that are held back until the rest
 #: was taken by the kernel and the slot's generation re-checked (see :class:`ResultResponse`).
-RESULT_TAIL_BYTES = 64
+#: Bytes of a result sent from the arena in its first write: a result up to this size goes out
+#: in one write, from the arena straight into the socket when the socket takes it all. What the
+#: socket does not take is copied (GatewayHttpProtocol.write_arena), so a client that reads
+#: slowly holds at most this much of a copy, then ARENA_PIECE_BYTES at a time.
+ARENA_FIRST_PIECE_BYTES = 1 << 20
+#: Bytes of each later write of a result from the arena (once the previous one left the process).
+ARENA_PIECE_BYTES = 256 << 10
 
 
 class ResultResponse(Response):
@@ -91,19 +97,18 @@ class ResultResponse(Response):
 
     **Sent from the arena** (``slot`` given; the scope carries the connection,
     :data:`~shardserver.api.common.CONNECTION_SCOPE_KEY`): ``content`` is a
-    :meth:`~shardserver.shm.arena.ArenaReader.view` of the slot, not a copy. The transport
-    (uvloop) writes what the socket takes at once and keeps a *reference* to the rest, which it
-    reads from the arena when the socket has room again. The encoder may free and reuse the
-    slot at any time (TTL, eviction of a delivered result polled again, cancel, ack), so the
-    bytes read are the result's only if the slot's generation is unchanged *after* the last
-    of them was read (generations never repeat; the writer zeroes the generation before reuse).
-    Hence: everything but the last :data:`RESULT_TAIL_BYTES` goes out first; once the
-    transport's buffer is empty (the kernel took those bytes), the tail is copied and the
-    generation checked; only if it is unchanged is the tail sent. If it changed, the
-    connection is reset (:meth:`~shardserver.workers.http_conn.GatewayHttpProtocol.abort_response`):
-    the client got fewer bytes than ``Content-Length``, a cut response and never a complete
-    wrong one, ``on_cut()`` is called (counted as ``retrieve_cut_slot_reused``) and the result is
-    not reported delivered (a re-poll answers 410 if it is gone, and the SDK resubmits).
+    :meth:`~shardserver.shm.arena.ArenaReader.view` of the slot, not a copy. The encoder may
+    free and reuse the slot at any time (TTL, eviction of a delivered result polled again,
+    cancel, ack), so it goes out in pieces (:data:`ARENA_FIRST_PIECE_BYTES`, then
+    :data:`ARENA_PIECE_BYTES` each once the previous one left the process), each written by
+    :meth:`~shardserver.workers.http_conn.GatewayHttpProtocol.write_arena`: the slot's generation
+    is checked, then the socket takes what fits straight from the arena and the rest is copied,
+    all in one call, so no reference to the slot outlives it and every byte sent is the
+    result's. A piece that finds the slot freed is not written and the connection is reset
+    (:meth:`~shardserver.workers.http_conn.GatewayHttpProtocol.abort_response`): the client gets
+    fewer bytes than ``Content-Length``, all of them the result's, ``on_cut()`` is called
+    (counted as ``retrieve_cut_slot_reused``) and the result is not reported delivered (a
+    re-poll answers 410 if it is gone, and the SDK resubmits).
 
     Args:
         content: the result (proto or JSON bytes, or a view of its arena slot with ``slot``).
@@ -171,23 +176,32 @@ class ResultResponse(Response):
         await asyncio.sleep(0)  # a disconnect already received is seen before the first write
         if conn.closed():
             return
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": view[:-RESULT_TAIL_BYTES], "more_body": True})
-        while True:
-            flushed = await conn.wait_flushed(self._written_timeout_s)
-            if flushed is False:
-                return  # the connection broke: the tail never went out, nothing delivered
-            if not reader.valid(offset, generation):
-                self._cut(conn)
-                return
-            if flushed:
-                break
-            # A client that stopped reading: keep waiting while the slot is still the result's.
-        tail = bytes(view[-RESULT_TAIL_BYTES:])
-        if not reader.valid(offset, generation):
-            self._cut(conn)
-            return
-        await send({"type": "http.response.body", "body": tail})
+        n = len(view)
+        conn.arena_guard, conn.arena_cut = self._slot, False
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            pos, piece = 0, ARENA_FIRST_PIECE_BYTES
+            while True:
+                end = min(n, pos + piece)
+                await send({"type": "http.response.body", "body": view[pos:end], "more_body": end < n})
+                if conn.arena_cut:
+                    self._cut(conn)
+                    return
+                if end >= n:
+                    break
+                pos, piece = end, ARENA_PIECE_BYTES
+                # The next piece once this one left the process (at most one copy held).
+                flushed = await conn.wait_flushed(self._written_timeout_s)
+                if flushed is False:
+                    return  # the connection broke: nothing delivered
+                if flushed is None:
+                    # Nothing taken for server.keep_alive_s: the client stopped reading. Let go
+                    # of the connection and the view (it pins the arena's mapping, which a
+                    # restarted encoder's old arena would otherwise keep in /dev/shm).
+                    conn.abort_response()
+                    return
+        finally:
+            conn.arena_guard = None
         if not await conn.wait_written(self._written_timeout_s):
             return
         self._on_delivered()
@@ -422,8 +436,7 @@ async def retrieve_future(request: Request) -> Response:
         if isinstance(reply, PollDone):
             # Straight from the arena (no copy) when the connection can check the slot after
             # sending (ResultResponse); a copy when the JSON must be derived or elsewhere.
-            from_arena = (reply.form == want and reply.length > RESULT_TAIL_BYTES
-                          and CONNECTION_SCOPE_KEY in request.scope)
+            from_arena = reply.form == want and reply.length > 0 and CONNECTION_SCOPE_KEY in request.scope
             try:
                 reader = ctx.reader(reply.arena)
                 if from_arena:

@@ -34,13 +34,14 @@ Layout (all integers little-endian)::
   channel. :meth:`ArenaReader.read` checks the header, copies the payload,
   and checks the header again (an optimistic, seqlock-style read): if the slot
   was freed or reused meanwhile it raises :class:`SlotInvalidError` and the
-  copy is discarded. Front-ends send results without that copy:
+  copy is discarded. Front-ends send results without that copy where they can:
   :meth:`ArenaReader.view` checks the header and hands out a view of the
-  payload, and the sender calls :meth:`ArenaReader.valid` once the last byte
-  was read from the view (the transport's buffer is empty); the writer never
-  waits for readers, so a slot may be reused at any time and only that second
-  check says whether the bytes sent were the result's
-  (:class:`shardserver.api.sampling.ResultResponse`; README.md, decision
+  payload, and the sender checks :meth:`ArenaReader.valid` right before each write of a piece
+  of it and lets the kernel copy straight from the view in the same call, copying itself only
+  what the socket did not take (:meth:`shardserver.workers.http_conn.GatewayHttpProtocol.write_arena`).
+  The writer never waits for readers; instead, a slot a reader was shown (``Slot.shown``)
+  keeps its bytes for ``hold_s`` after :meth:`ArenaWriter.free` zeroes its generation, so a
+  check and the copy right after it always read the same result (README.md, decision
   "reading a slot").
 * When the writer frees a committed slot: its future's TTL passed (completed or
   retrieved), it was cancelled or acknowledged, or a full arena evicted it
@@ -57,10 +58,12 @@ Layout (all integers little-endian)::
 from __future__ import annotations
 
 import bisect
+import collections
 import mmap
 import os
 import re
 import struct
+import time
 
 from ..errors import SlotInvalidError
 
@@ -70,6 +73,7 @@ __all__ = [
     "SLOT_HEADER",
     "SUPERBLOCK",
     "ALIGN",
+    "ARENA_READ_HOLD_S",
     "Slot",
     "create_segment",
     "unlink_segment",
@@ -95,6 +99,11 @@ _SB = struct.Struct("<8sQ")
 _OWNER = struct.Struct("<Q")  # owner start time, at offset _SB.size
 _GEN = struct.Struct("<Q")
 _PAGE = mmap.PAGESIZE
+#: Seconds an encoder's arena holds the space of a freed slot that a front-end was shown
+#: (:meth:`ArenaWriter.free`). A front-end checks a slot's generation and copies from it in the
+#: same synchronous call (microseconds); if that ever took longer than half of this, it cuts the
+#: response instead of trusting the bytes (:class:`shardserver.api.sampling.ResultResponse`).
+ARENA_READ_HOLD_S = 1.0
 _NAME_RE = re.compile(r"^shardserver-(\d+)-([0-9a-f]{8})-a(\d+)\.(\d+)$")
 
 
@@ -313,13 +322,16 @@ class Slot:
     """A committed or reserved region: ``offset`` of its header in the file, ``capacity`` bytes
     (header included), ``length`` payload bytes, ``generation`` (0 until committed)."""
 
-    __slots__ = ("offset", "capacity", "length", "generation")
+    __slots__ = ("offset", "capacity", "length", "generation", "shown")
 
     def __init__(self, offset: int, capacity: int) -> None:
         self.offset = offset
         self.capacity = capacity
         self.length = 0
         self.generation = 0
+        #: set by the writer's owner once a reader was told where the slot is (a POLL answer):
+        #: its space is then held for ``hold_s`` after free before it can be reused
+        self.shown = False
 
     def __repr__(self) -> str:
         return f"Slot(off={self.offset}, cap={self.capacity}, len={self.length}, gen={self.generation})"
@@ -336,8 +348,15 @@ class ArenaWriter:
     fit over a free list kept sorted by offset, with neighbours coalesced on free.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, hold_s: float = 0.0) -> None:
         self.name = name
+        #: seconds a freed slot that a reader was shown (``Slot.shown``) stays unusable: its
+        #: generation is zeroed at once (readers see it freed), its bytes stay as they are until
+        #: then, so a reader that checked the generation just before copying never copies
+        #: another result's bytes (see :meth:`free`)
+        self.hold_s = hold_s
+        self._held: collections.deque[tuple[float, int, int]] = collections.deque()  # (due, offset, capacity)
+        self.held_bytes = 0
         self._mm, self.size = _open_map(name, writable=True)
         self._view = memoryview(self._mm)
         self._free_offs: list[int] = [SUPERBLOCK]
@@ -359,6 +378,8 @@ class ArenaWriter:
     # -- accounting ---------------------------------------------------------------------
     @property
     def free_bytes(self) -> int:
+        if self._held:
+            self.release_held()
         return self.size - self.used_bytes
 
     @staticmethod
@@ -368,6 +389,8 @@ class ArenaWriter:
 
     def largest_free(self) -> int:
         """Size in bytes of the largest free block (0 when the arena is full)."""
+        if self._held:
+            self.release_held()
         if not self._classes:
             return 0
         sizes = self._free_size
@@ -432,6 +455,8 @@ class ArenaWriter:
         spreading over the whole arena, as next fit did (soak-131k: PSS grew to the arena's size).
         """
         need = self.slot_bytes(payload)
+        if self._held:
+            self.release_held()
         off = self._first_fit(need)
         if off < 0:
             return None
@@ -486,10 +511,36 @@ class ArenaWriter:
         if self._mm.closed:
             return
         struct.pack_into("<Q", self._mm, slot.offset, 0)
+        committed = slot.generation != 0
         slot.generation = 0
         self.live_slots -= 1
+        if committed and slot.shown and self.hold_s > 0:
+            # A front-end may be copying this result out right now, having checked its
+            # generation a moment ago: the bytes stay until hold_s has passed (they still count
+            # in used_bytes), so what it copies is this result's or, once punched, zeros.
+            self._held.append((time.monotonic() + self.hold_s, slot.offset, slot.capacity))
+            self.held_bytes += slot.capacity
+            return
         start, end = self._give_back(slot.offset, slot.capacity)
         self._release_pages(slot.offset, slot.offset + slot.capacity, start, end)
+
+    def release_held(self, now: float | None = None) -> int:
+        """Give back the space of the held slots whose ``hold_s`` has passed (see :meth:`free`);
+        called by :meth:`alloc`, :meth:`largest_free`, :attr:`free_bytes` and the owner's
+        periodic sweep. Returns how many were released."""
+        held = self._held
+        if not held or self._mm.closed:
+            return 0
+        if now is None:
+            now = time.monotonic()
+        n = 0
+        while held and held[0][0] <= now:
+            _, off, cap = held.popleft()
+            self.held_bytes -= cap
+            start, end = self._give_back(off, cap)
+            self._release_pages(off, off + cap, start, end)
+            n += 1
+        return n
 
     def _release_pages(self, lo: int, hi: int, start: int, end: int) -> None:
         """Punch out of the segment (``MADV_REMOVE``: tmpfs frees them, in every process that
@@ -603,10 +654,11 @@ class ArenaReader:
 
         Unlike :meth:`read`, the bytes are not taken: the writer may free and reuse the slot
         while the view is being read. A caller that passes the view on (e.g. to a socket) must
-        call :meth:`valid` after the last byte was read from it; only then are the bytes read
-        known to be the result's (seqlock style: generations never repeat, and ``free`` zeroes
-        the generation before the space can be reused). The view pins the mapping: :meth:`close`
-        while one is alive leaves the unmapping to the last view's release.
+        check :meth:`valid` right before each read of it and finish that read at once, keeping no
+        reference for later (the writer holds a freed slot's bytes for its ``hold_s`` once a
+        reader was shown the slot; generations never repeat, and ``free`` zeroes the generation
+        first). The view pins the mapping: :meth:`close` while one is alive leaves the unmapping
+        to the last view's release.
 
         Returns:
             ``length`` bytes (``memoryview``, format ``B``, read-only).

@@ -101,7 +101,7 @@ from ..messages import (
     SubmitRequest,
 )
 from ..metrics import EncoderTimers, ShardCounters
-from ..shm.arena import ArenaWriter, Slot
+from ..shm.arena import ARENA_READ_HOLD_S, ArenaWriter, Slot
 from .journal import JOURNAL_DIR, FutureJournal, JournalRecord, JournalUnwritable
 from .ttl import DeadlineBuckets
 
@@ -960,9 +960,11 @@ class EncoderCore:
                     # No room to cache the JSON form: hand out the proto and let the front-end
                     # derive JSON from it for this one response.
                     self.counters["json_uncached"] += 1
+                    slot.shown = True
                     return PollDone(arena=self.arena.name, offset=slot.offset, length=slot.length,
                                     generation=slot.generation, form=ResultForm.PROTO)
             slot = e.json_slot
+        slot.shown = True  # a front-end will read it: held for ARENA_READ_HOLD_S once freed
         return PollDone(arena=self.arena.name, offset=slot.offset, length=slot.length,
                         generation=slot.generation, form=want)
 
@@ -1257,7 +1259,7 @@ class EncoderProc:
         # the front-ends first, then sends SIGTERM here.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-        arena = ArenaWriter(arena_name)
+        arena = ArenaWriter(arena_name, hold_s=ARENA_READ_HOLD_S)
         # In a thread: waiting for a stopping predecessor's lock must not stop the heartbeat.
         journal, taken = await asyncio.to_thread(EncoderProc._open_journal, cfg, shard, journal_tag)
         engine = EngineClient(cfg.engine, engine_url)
@@ -1299,6 +1301,7 @@ class EncoderProc:
             while True:
                 await asyncio.sleep(cfg.futures.sweep_interval_s)
                 core.sweep()
+                arena.release_held()  # (alloc releases them too; this gives the pages back in a quiet arena)
                 try:
                     core.flush_metrics()
                 except Exception:  # never let the metrics stop the TTL sweep

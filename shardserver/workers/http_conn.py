@@ -46,11 +46,14 @@ import asyncio
 import errno
 import fcntl
 import logging
+import mmap
+import os
 import resource
 import socket
 import struct
 import termios
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,6 +62,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..api.common import CONNECTION_SCOPE_KEY, TIMED_OUT_SCOPE_KEY, WAIT_WRITTEN_SCOPE_KEY
 from ..metrics import ACCEPT_ERRORS, CONNECTION_CAP_REACHED, CONNECTION_TIMEOUTS, CONNECTIONS_EVICTED, CONNECTIONS_OPEN
+from ..shm.arena import ARENA_READ_HOLD_S
 
 __all__ = ["ConnectionLimits", "GatewayHttpProtocol", "Listener", "RateLimitedLog", "effective_max_connections",
            "DRAIN_IDLE_S", "EVICT_MIN_IDLE_S", "ACCEPT_ERROR_PAUSE_S", "FD_RESERVE"]
@@ -167,6 +171,31 @@ def effective_max_connections(configured: int) -> tuple[int, int]:
     return max(16, min(configured, soft - FD_RESERVE)), soft
 
 
+class _ArenaSafeTransport:
+    """The transport as a request's response cycle sees it (uvicorn's ``RequestResponseCycle``
+    writes its response through ``cycle.transport``): writes of arena views (memoryviews over an
+    ``mmap``: a result's slot, :class:`shardserver.api.sampling.ResultResponse`) go through
+    :meth:`GatewayHttpProtocol.write_arena`; everything else is the real transport's."""
+
+    __slots__ = ("_t", "_proto")
+
+    def __init__(self, transport: asyncio.Transport, proto: "GatewayHttpProtocol") -> None:
+        self._t = transport
+        # weak: the protocol holds this object, and a reference cycle would keep every closed
+        # connection for the cyclic GC (tests/e2e/test_frontend_slow_clients.py, 2000 resets)
+        self._proto = weakref.ref(proto)
+
+    def write(self, data: Any) -> None:
+        proto = self._proto() if type(data) is memoryview and type(data.obj) is mmap.mmap else None
+        if proto is not None:
+            proto.write_arena(data)
+        else:
+            self._t.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+
 class GatewayHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with header/body timeouts, idle tracking and a clean drain.
 
@@ -196,6 +225,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._tail = b""            # the last 3 bytes of the head so far (a blank line may straddle reads)
         self._linger_left: int | None = None  # body bytes still read after an early answer (None: not lingering)
         self._peer_eof = False      # the client half-closed after whole requests: close once they are answered
+        self._fd = -1               # the socket's descriptor for arena writes (-1: TLS or unknown: copy)
+        self._arena_transport: _ArenaSafeTransport | None = None
+        #: (reader, offset, generation) of the arena slot the response in progress is sent from;
+        #: each arena write checks it first (see write_arena)
+        self.arena_guard: tuple[Any, int, int] | None = None
+        self.arena_cut = False      # an arena write found the slot freed: the response must be cut
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, phase: str, seconds: float) -> None:
@@ -288,6 +323,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     # -- connection -----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("sslcontext") is None:
+            try:
+                self._fd = sock.fileno()
+            except (OSError, ValueError):
+                self._fd = -1
+        self._arena_transport = _ArenaSafeTransport(transport, self)
         CONNECTIONS_OPEN.inc()
         self._arm("headers", self._limits.header_timeout_s)  # a new connection must send a request
         if self._listener is not None and self._listener.draining:
@@ -402,6 +444,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             scope = self.cycle.scope
             scope[WAIT_WRITTEN_SCOPE_KEY] = self.wait_written  # type: ignore[literal-required]
             scope[CONNECTION_SCOPE_KEY] = self  # type: ignore[literal-required]
+            # The cycle writes through a transport that writes arena views safely (write_arena).
+            self.cycle.transport = self._arena_transport  # type: ignore[assignment]
         if self._draining and self.cycle is not None:
             self.cycle.keep_alive = False  # answered with Connection: close, then closed
         if self.parser is not None and self.cycle is not None and self.cycle.more_body:
@@ -471,6 +515,41 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 await asyncio.wait_for(self._write_event.wait(), min(left, 0.05))
             except asyncio.TimeoutError:
                 pass
+
+    def write_arena(self, data: memoryview) -> None:
+        """Write bytes viewed in an arena (a result's slot) so that nothing refers to them once
+        this returns: the encoder may free and reuse the slot at any moment after.
+
+        First the slot is checked (:attr:`arena_guard`): freed already, nothing is written and
+        :attr:`arena_cut` is set (the caller cuts the response). Otherwise, when nothing waits in
+        the transport's buffer, the kernel takes what fits in the socket straight from the arena
+        (``os.write``, no copy), and only the rest is copied into the transport's buffer. The
+        check and the copies happen in this one call, microseconds apart, and the encoder holds a
+        freed slot's bytes unchanged for :data:`~shardserver.shm.arena.ARENA_READ_HOLD_S`
+        (``ArenaWriter.free``), so every byte that leaves is the result's. (uvloop, given the
+        view itself, keeps a reference to what the socket did not take and reads it whenever the
+        client reads on: another result's bytes, once the slot was reused, and another tenant's
+        under ``auth.mode = keys``.) Should the call ever take half that hold and find the slot
+        freed at the end, :attr:`arena_cut` is set too.
+        """
+        guard = self.arena_guard
+        if guard is not None:
+            reader, offset, generation = guard
+            t0 = time.monotonic()
+            if not reader.valid(offset, generation):
+                self.arena_cut = True
+                return
+        t = self.transport
+        sent = 0
+        if self._fd >= 0 and t.get_write_buffer_size() == 0 and not t.is_closing():
+            try:
+                sent = os.write(self._fd, data)
+            except OSError:  # EAGAIN: the socket is full; a broken one: the transport's write finds out
+                sent = 0
+        if sent < len(data):
+            t.write(bytes(data[sent:]))
+        if guard is not None and time.monotonic() - t0 > ARENA_READ_HOLD_S / 2 and not reader.valid(offset, generation):
+            self.arena_cut = True
 
     def closed(self) -> bool:
         """Whether the connection is lost or closing (the client left, or we closed it)."""

@@ -1,11 +1,17 @@
-"""A result is sent straight from the arena (no copy; issue 12 item 2), so the encoder may reuse
-its slot while the bytes are still being sent. The front-end holds back the last
-``RESULT_TAIL_BYTES`` until the rest left the process, then re-checks the slot's generation:
-if the slot was freed (here: ``cancel_future``) and reused (here: another 8 MiB result written
-over it) meanwhile, the connection is reset. The client must see a cut response (fewer body
-bytes than Content-Length), never a complete one, the front-end counts
+"""A result is sent straight from the arena (no copy where the socket takes it; issue 12 item 2),
+so the encoder may free and reuse its slot while the response is still being sent. Every piece
+is checked against the slot's generation just before it is written, and what the socket does
+not take is copied at once (``GatewayHttpProtocol.write_arena``). If the slot was freed (here:
+``cancel_future``) and reused (here: another 8 MiB result written over it) meanwhile, the
+connection is reset. The client must see a cut response (fewer body bytes than
+Content-Length) made only of its own result's bytes, the front-end counts
 ``retrieve_cut_slot_reused`` and the result is not reported delivered. A result sent the same
 way to a client that reads it all arrives whole and byte-exact (the control case).
+
+Stop 26's break test found the old scheme (the view handed to uvloop, the generation checked
+before the last 64 bytes) sending the *next* result's bytes to the slow reader: uvloop keeps a
+reference to what the socket did not take and reads it when the client reads on. Under
+``auth.mode = keys`` that was another tenant's result.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import pytest
 
 from conftest import Api, engine_body, expected_sequences
 from frontend_raw_http import open_result_poll
-from shardserver.api.sampling import RESULT_TAIL_BYTES
 from shardserver.testing import RunningServer, http_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -27,22 +32,30 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 N, MAX_TOKENS, PROMPT = 16, 65_000, [21, 22, 23]
 
 
-@pytest.fixture(scope="module")
-def gateway():
+@pytest.fixture(scope="module", params=["keep_alive_1s", "keep_alive_default"])
+def gateway(request):
     # One shard whose arena holds little more than one 8 MiB result: the second result takes the
-    # space the cancelled one had.
+    # space the cancelled one had. With server.keep_alive_s at its default (75 s) a front-end
+    # waiting on a client that stopped reading does not look at the slot again for that long.
     env = {"SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
-           "SHARDSERVER_SHARDS__ARENA_BYTES": str(12 << 20),
-           "SHARDSERVER_SERVER__KEEP_ALIVE_S": "1"}
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(12 << 20)}
+    if request.param == "keep_alive_1s":
+        env["SHARDSERVER_SERVER__KEEP_ALIVE_S"] = "1"
     with RunningServer(env=env) as s:
         yield s
     assert s.proc.returncode == 0
 
 
 def _submit(api: Api, ssid: str, seq_id: int, seed: int) -> str:
-    st, _, b = api.post("/api/v1/asample", {
-        "sampling_session_id": ssid, "seq_id": seq_id, "num_samples": N, "prompt": {"chunks": [{"tokens": PROMPT}]},
-        "sampling_params": {"max_tokens": MAX_TOKENS, "seed": seed}})
+    """asample; a 429 (the arena's room still held from a result just freed, up to
+    ARENA_READ_HOLD_S) is retried as the SDK retries it."""
+    for _ in range(30):
+        st, _, b = api.post("/api/v1/asample", {
+            "sampling_session_id": ssid, "seq_id": seq_id, "num_samples": N, "prompt": {"chunks": [{"tokens": PROMPT}]},
+            "sampling_params": {"max_tokens": MAX_TOKENS, "seed": seed}})
+        if st != 429:
+            break
+        time.sleep(0.2)
     assert st == 200, b
     return json.loads(b)["request_id"]
 
@@ -98,26 +111,63 @@ def test_result_read_whole_is_byte_exact_and_delivered(gateway):
     api.post("/api/v1/cancel_future", {"request_id": rid})  # free its room for the next test
 
 
-def test_slot_reused_while_sending_cuts_the_response(gateway):
+def test_slot_reused_while_sending_cuts_the_response(gateway, request):
+    """With server.keep_alive_s = 1 the stalled client is let go before the slot is reused (see
+    the last test); with the default the next piece finds the slot freed and cuts."""
+    reuse_cuts = "keep_alive_default" in request.node.callspec.id
     api = Api(gateway.url)
     ssid = api.sampling_session()
     rid = _submit(api, ssid, 2, seed=5)
-    for _ in range(60):  # computed, never polled: not delivered
-        if sum(sh["counters"].get("completed", 0) for sh in _stats(gateway.url)["shards"]) >= 2:
-            break
-        time.sleep(0.2)
+    # Its bytes, read whole once (this delivery counts; the next poll is sent from the arena again).
+    _wait_done(api, rid)
+    st, _, own = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
+    assert st == 200 and len(own) > 8_000_000
     delivered0 = sum(sh["counters"].get("delivered", 0) for sh in _stats(gateway.url)["shards"])
     s, length, rest = open_result_poll(gateway.port, rid)  # the client stops reading: most of it waits
     with s:
-        assert length > 8_000_000
+        assert length == len(own)
         st, _, b = api.post("/api/v1/cancel_future", {"request_id": rid})  # the encoder frees the slot
         assert st == 200, b
+        time.sleep(1.5)  # past the encoder's hold of a freed slot (ARENA_READ_HOLD_S)
         rid2 = _submit(api, ssid, 3, seed=6)  # another result is written into the freed space
         _wait_done(api, rid2)
+        st, _, other = api.post("/api/v1/retrieve_future", {"request_id": rid2},
+                                headers={"Accept": "application/x-protobuf"})
+        assert st == 200 and len(other) == len(own) and other != own
         body, ended = _read_to_end(s, rest, length)
     assert ended in ("eof", "reset"), ended
-    assert len(body) <= length - RESULT_TAIL_BYTES  # cut: the tail never went out
+    assert 0 < len(body) < length  # cut
+    # Every byte the slow reader got is its own result's (before the fix: the other's, from the
+    # first byte uvloop had not yet written).
+    first_diff = next((i for i in range(0, len(body), 4096) if body[i:i + 4096] != own[i:min(i + 4096, len(body))]),
+                      None)
+    assert first_diff is None, f"bytes of another result from offset {first_diff} of {len(body)}"
     st = _stats(gateway.url)
-    assert st["counters"].get("retrieve_cut_slot_reused", 0) == 1
-    # rid2's poll above was its only delivery; rid's cut response was not reported.
+    assert st["counters"].get("retrieve_cut_slot_reused", 0) == (1 if reuse_cuts else 0)
+    # rid2's two polls above were its deliveries (one counted); rid's cut response was not reported.
     assert sum(sh["counters"].get("delivered", 0) for sh in st["shards"]) == delivered0 + 1
+
+
+def test_a_client_that_stops_reading_is_let_go_after_keep_alive_s(gateway, request):
+    """Found by a break test (stop 26): a client that polls a result and never reads was waited
+    on for as long as the slot stayed the result's, holding its view of the arena. After an
+    encoder restart the old arena is never written again, so each such client pinned an unlinked
+    arena in /dev/shm for good. Now a piece not taken within server.keep_alive_s ends the
+    response (reset); the result stays undelivered and can be polled again."""
+    if "keep_alive_1s" not in request.node.callspec.id:
+        pytest.skip("needs server.keep_alive_s = 1")
+    api = Api(gateway.url)
+    ssid = api.sampling_session()
+    rid = _submit(api, ssid, 4, seed=8)
+    _wait_done(api, rid)
+    st, _, own = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
+    assert st == 200
+    s, length, rest = open_result_poll(gateway.port, rid)
+    with s:
+        time.sleep(3.0)  # reads nothing for 3 x keep_alive_s
+        body, ended = _read_to_end(s, rest, length)
+    assert ended in ("eof", "reset") and 0 < len(body) < length, (ended, len(body), length)
+    assert body == own[:len(body)]
+    st, _, again = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
+    assert st == 200 and again == own
+    api.post("/api/v1/cancel_future", {"request_id": rid})
