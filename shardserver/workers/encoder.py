@@ -178,6 +178,9 @@ FINISHED_SESSIONS_KEPT = 10_000
 # Receive buffers (shardserver.engine_http.BodyBuffers) no engine answer used for this long
 # (seconds) are freed at the next sweep.
 BUFFER_IDLE_S = 10.0
+#: Seconds between an encoder's looks at its control socket's path (bound again when a /tmp
+#: cleaner removed the run directory; the supervisor recreates the directory as often).
+SOCKET_CHECK_S = 5.0
 
 
 # vLLM's refusal of prompt + max_tokens over its context window (vllm serving_engine's
@@ -1297,10 +1300,31 @@ class EncoderProc:
 
         trimmer = HeapTrimmer()
 
+        servers = [server]
+        sock_checked = [time.monotonic()]
+
+        def keep_socket() -> None:
+            """A /tmp cleaner removed the run directory: bind the control socket's path again
+            (the old listener keeps its connections), so that a restarted front-end finds it."""
+            now = time.monotonic()
+            if now < sock_checked[0] + SOCKET_CHECK_S:
+                return
+            sock_checked[0] = now
+            if os.path.exists(sock_path):
+                return
+            os.makedirs(os.path.dirname(sock_path), mode=0o700, exist_ok=True)
+            fut = asyncio.ensure_future(serve_control(sock_path, core.handle))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or servers.append(f.result()))
+            log.warning("encoder %d: its control socket %s was removed (a /tmp cleaner?): bound again", shard, sock_path)
+
         async def sweeper() -> None:
             while True:
                 await asyncio.sleep(cfg.futures.sweep_interval_s)
                 core.sweep()
+                try:
+                    keep_socket()
+                except OSError as exc:
+                    log.error("encoder %d: cannot bind its control socket %s again: %s", shard, sock_path, exc)
                 arena.release_held()  # (alloc releases them too; this gives the pages back in a quiet arena)
                 try:
                     core.flush_metrics()
@@ -1326,7 +1350,8 @@ class EncoderProc:
             watch_task.cancel()
             if hb_task is not None:
                 hb_task.cancel()
-            server.close()
+            for srv in servers:
+                srv.close()
             core.close("server shutting down")
             await probe.close()
             await engine.close()

@@ -80,6 +80,11 @@ BIND_RETRY_S = 1.0
 # their heartbeats are judged from the resume on, not from before the pause. (Work the loop does
 # between waits, such as restarting a child, is not taken for a pause.)
 SUPERVISOR_STALL_S = 2.0
+#: Seconds between the supervisor's looks at the run directory (recreated if a /tmp cleaner
+#: removed it; the encoders look at their control sockets as often).
+RUN_DIR_CHECK_S = 5.0
+#: Seconds between touches of the run directory and its files (a cleaner by age never finds them old).
+RUN_DIR_TOUCH_S = 3600.0
 _SUPERVISE_WAIT_S = 0.2
 
 
@@ -250,6 +255,8 @@ class Supervisor:
                 self.cfg = cfg = dataclasses.replace(
                     cfg, futures=dataclasses.replace(cfg.futures, retrieve_futures=False))
         self.run_dir = ""
+        self._run_dir_checked = 0.0  # monotonic time of the last look at the run directory
+        self._run_dir_touched = time.monotonic()
         self.sock: socket.socket | None = None
         self.sim_sock: socket.socket | None = None
         self.engine_url = cfg.engine.url
@@ -501,6 +508,7 @@ class Supervisor:
                 child.proc.join(0.1)
                 self._on_exit(child)
             self._check_liveness()
+            self._keep_run_dir()
 
     def _check_liveness(self) -> None:
         """SIGKILL and restart every encoder and front-end whose heartbeat is older than
@@ -544,7 +552,45 @@ class Supervisor:
             return
         self._restart(child)
 
+    def _keep_run_dir(self, now: float | None = None) -> None:
+        """Keep the run directory (control sockets, metrics files) under ``/tmp`` cleaners: every
+        :data:`RUN_DIR_CHECK_S` recreate it if it was removed (the encoders notice their socket
+        gone and bind it again; the metrics files come back with the next write of each process),
+        and every :data:`RUN_DIR_TOUCH_S` touch it and what it holds, so that a cleaner by age
+        (systemd-tmpfiles: 10 days in /tmp by default) never finds it old during a long run."""
+        now = time.monotonic() if now is None else now
+        if not self.run_dir or now < self._run_dir_checked + RUN_DIR_CHECK_S:
+            return
+        self._run_dir_checked = now
+        metrics = os.path.join(self.run_dir, "metrics")
+        if not os.path.isdir(metrics):
+            try:
+                os.makedirs(metrics, mode=0o700, exist_ok=True)
+                log.warning("the run directory %s was removed (a /tmp cleaner?): recreated; the encoders bind their "
+                            "control sockets again", self.run_dir)
+            except OSError as exc:
+                log.error("the run directory %s was removed and cannot be recreated: %s", self.run_dir, exc)
+                return
+        if now >= self._run_dir_touched + RUN_DIR_TOUCH_S:
+            self._run_dir_touched = now
+            for root, dirs, files in os.walk(self.run_dir):
+                for name in (*dirs, *files):
+                    try:
+                        os.utime(os.path.join(root, name))
+                    except OSError:
+                        pass
+            try:
+                os.utime(self.run_dir)
+            except OSError:
+                pass
+
     def _restart(self, child: ChildSpec) -> None:
+        # Before anything imports shardserver.metrics here (its metrics open files in the
+        # run directory at import): a /tmp cleaner may have removed it.
+        try:
+            os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)
+        except OSError:
+            pass  # _respawn reports it and retries
         if child.extra.pop("respawn_retry", False):
             self._respawn(child)  # starting it failed last time: try again
             return

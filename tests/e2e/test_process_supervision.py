@@ -412,3 +412,45 @@ def test_a_paused_and_resumed_process_group_keeps_its_children():
         got = [api.post("/api/v1/retrieve_future", {"request_id": r}) for r in rids]
         assert [st for st, _, _ in got] == [200] * 8, got
         assert all(len(json.loads(b)["sequences"]) == 1 for _, _, b in got), got
+
+
+def test_a_run_directory_removed_by_a_tmp_cleaner_is_recreated_and_a_restarted_front_end_serves():
+    """Found by a break test (stop 26): ``rm -rf`` of the run directory (what systemd-tmpfiles or
+    tmpreaper do to /tmp) and then a front-end crash. The supervisor died at the restart (its
+    first import of shardserver.metrics opened files in the removed directory), and once it
+    survived that, the new front-end could not reach the encoders (their control sockets' paths
+    were gone) and was restarted in a loop. Now the supervisor recreates the directory, the
+    encoders bind their sockets again, and samples through the restarted front-end complete."""
+    import glob
+    import shutil
+
+    with RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "1"}) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rid = api.submit(ssid, [1, 2, 3], 0)
+        assert api.post("/api/v1/retrieve_future", {"request_id": rid})[0] == 200
+        (run_dir,) = glob.glob(f"/tmp/shardserver-run-{s.proc.pid}-*")
+        shutil.rmtree(run_dir)
+        (victim,) = _titled(s.proc.pid, "shardserver: front-end 0")
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        statuses = []
+        for i in range(1, 5):  # each seq_id lands on one of the two shards
+            st, b = None, b"(no answer: the gateway is down)"
+            while time.monotonic() < deadline:
+                try:
+                    st, _, b = api.post("/api/v1/asample", {
+                        "sampling_session_id": ssid, "seq_id": i, "prompt": {"chunks": [{"tokens": [1, 2, 3, i]}]},
+                        "sampling_params": {"max_tokens": 4, "seed": 1}}, timeout=5)
+                except OSError:
+                    st = None  # the front-end is restarting
+                if st == 200:
+                    break
+                time.sleep(0.2)
+            assert st == 200, b
+            statuses.append(api.post("/api/v1/retrieve_future", {"request_id": json.loads(b)["request_id"]})[0])
+        assert statuses == [200] * 4
+        assert s.proc.poll() is None  # the supervisor is alive
+        assert os.path.isdir(os.path.join(run_dir, "metrics"))
+        assert sorted(os.listdir(run_dir)) >= ["enc-0.sock", "enc-1.sock", "metrics"]
+    assert s.proc.returncode == 0
