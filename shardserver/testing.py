@@ -117,8 +117,9 @@ class RunningServer:
     started_pgids: list[int] = []
 
     def __init__(self, config: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
-                 args: list[str] | None = None, start_timeout: float = 60.0) -> None:
+                 args: list[str] | None = None, start_timeout: float = 60.0, nofile: int | None = None) -> None:
         self.config = str(config or REPO / "configs" / "demo.toml")
+        self.nofile = nofile  # RLIMIT_NOFILE (soft and hard) of the server process, when given
         self.env = env or {}
         self.args = args or []
         self.start_timeout = start_timeout
@@ -133,8 +134,16 @@ class RunningServer:
         env = {**os.environ, **self.env}
         cmd = [sys.executable, "-m", "shardserver.cli", "serve", "--config", self.config,
                "--host", "127.0.0.1", "--port", "0", *self.args]
+        limit = self.nofile
+
+        def lower_nofile() -> None:  # in the child, before exec
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=str(REPO), start_new_session=True)
+                                     cwd=str(REPO), start_new_session=True,
+                                     preexec_fn=lower_nofile if limit is not None else None)
         RunningServer.started_pgids.append(self.proc.pid)
         ready = threading.Event()
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import json
 import logging
@@ -1193,6 +1194,24 @@ class EncoderCore:
                 e.task.cancel()
 
 
+#: File descriptors an encoder keeps for everything but its engine connections: the health
+#: probe's, the arena, the journal, metrics files, the logging pipe, imports (plus one control
+#: connection per front-end, counted apart).
+ENCODER_FD_RESERVE = 48
+
+
+def effective_pool_size(configured: int, front_ends: int) -> tuple[int, int]:
+    """``(engine connections, soft RLIMIT_NOFILE)``: ``engine.pool_size`` lowered to what the
+    soft file-descriptor limit leaves after :data:`ENCODER_FD_RESERVE` and one control
+    connection per front-end (at least 8); the limit is -1 when unlimited."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured, -1
+    return max(8, min(configured, soft - ENCODER_FD_RESERVE - front_ends)), soft
+
+
 class EncoderProc:
     """Process wrapper: ``EncoderProc.run`` is the only spawn target of an encoder."""
 
@@ -1257,6 +1276,14 @@ class EncoderProc:
         loop = asyncio.get_running_loop()
         # The supervisor's liveness check (server.liveness_timeout_s) reads these beats.
         hb_task = start_heartbeat(heartbeat, cfg.server.liveness_timeout_s, f"encoder-{shard}-heartbeat")
+        pool, soft = effective_pool_size(cfg.engine.pool_size, cfg.server.front_ends)
+        if pool < cfg.engine.pool_size:
+            # Past the limit each new engine connection would fail with EMFILE, which reads as
+            # the engine being down: samples of a healthy engine failed, /readyz said 503.
+            log.warning("encoder %d: engine.pool_size=%d lowered to %d: the soft RLIMIT_NOFILE is %d (raise it, "
+                        "e.g. ulimit -n or LimitNOFILE=, or lower engine.pool_size)", shard, cfg.engine.pool_size,
+                        pool, soft)
+            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, pool_size=pool))
         stop = asyncio.Event()
         # SIGINT (Ctrl-C reaches the whole process group) is the supervisor's to handle: it stops
         # the front-ends first, then sends SIGTERM here.

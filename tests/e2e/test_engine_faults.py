@@ -35,13 +35,14 @@ def _warm_expected_bodies():
     engine_body([1], 1, 1, 1)
 
 
-def gateway(engine_url: str, shards: int = 1, **engine: object) -> RunningServer:
-    """A gateway (1 front-end) in front of ``engine_url``; ``engine`` overrides ``[engine]`` keys."""
+def gateway(engine_url: str, shards: int = 1, nofile: int | None = None, **engine: object) -> RunningServer:
+    """A gateway (1 front-end) in front of ``engine_url``; ``engine`` overrides ``[engine]`` keys;
+    ``nofile``: the gateway's RLIMIT_NOFILE."""
     env = {"SHARDSERVER_ENGINE__URL": engine_url, "SHARDSERVER_SHARDS__COUNT": str(shards),
            "SHARDSERVER_SERVER__FRONT_ENDS": "1", "SHARDSERVER_SHARDS__ARENA_BYTES": str(8 << 20),
            "SHARDSERVER_FUTURES__LONG_POLL_S": "5", "SHARDSERVER_ENGINE__HEALTH_INTERVAL_S": "0.3"}
     env.update({f"SHARDSERVER_ENGINE__{k.upper()}": str(v) for k, v in engine.items()})
-    return RunningServer(env=env)
+    return RunningServer(env=env, nofile=nofile)
 
 
 def submit(api: Api, ssid: str, first: int, seq: int) -> tuple[str, list[int]]:
@@ -766,3 +767,21 @@ def test_every_attempt_carries_its_own_request_id():
         assert [e["request_id"] for e in log] == [f"{rid}-a{i}" for i in range(1, 5)]
         c = counters(s)
         assert c["engine_reforwards"] == 2 and c["engine_aborts"] == 1
+
+
+def test_an_fd_limit_below_engine_pool_size_lowers_the_pool_instead_of_failing_samples():
+    """Found by a break test (stop 26): with RLIMIT_NOFILE below engine.pool_size an encoder
+    opened engine connections until EMFILE, took "Too many open files" for the engine being
+    down, and failed the samples of a healthy engine once engine.unavailable_budget_s passed
+    (/readyz 503 meanwhile). Now the encoder lowers its pool to what the limit leaves, says so
+    at start, and the rest of the samples wait their turn: 200 samples of a 2 s engine under a
+    limit of 200 files, all exact."""
+    with FakeEngine(delay_s=2.0) as eng, gateway(eng.url, nofile=200, unavailable_budget_s=1) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        jobs = [submit(api, ssid, 127, i) for i in range(200)]
+        for i, (rid, prompt) in enumerate(jobs):
+            assert_result(*retrieve(api, rid), prompt, i)
+        assert any("engine.pool_size=512 lowered to 151" in line for line in s.log_lines), \
+            [line for line in s.log_lines if "RLIMIT" in line]
+        assert "failed_server" not in counters(s)
