@@ -161,7 +161,7 @@ ACCEPT_ERRORS = Counter("shardserver_accept_errors",
 ASAMPLE_REFUSED = Counter("shardserver_asample_refused",
                           "asample refused by the owning shard, by reason (no_room, pending_limit, pending_bytes, key_quota: "
                           "HTTP 429; too_large, invalid: 400; conflict: 409; internal: 500).", ["reason"], registry=REGISTRY)
-AUTH_REJECTED = Counter("shardserver_auth_rejected", "Requests answered 401 (reason: missing or invalid key).",
+AUTH_REJECTED = Counter("shardserver_auth_rejected", "Requests refused by the key check (reason: missing or invalid key: 401; connections: 429, the key holds its share of the connections).",
                         ["reason"], registry=REGISTRY)
 
 # -- supervisor -------------------------------------------------------------------------------------

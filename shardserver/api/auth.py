@@ -240,6 +240,11 @@ def _unauthorized(message: str, extra_headers: list[tuple[bytes, bytes]]) -> tup
 
 MISSING_KEY_MESSAGE = ("missing API key: send it in the X-API-Key header "
                        "(tinker.ServiceClient(api_key=...) or $TINKER_API_KEY)")
+#: api.common.CONNECTION_SCOPE_KEY (not imported from there: the supervisor loads this module,
+#: and that one imports FastAPI); tests/unit/test_imports.py checks that they agree.
+CONNECTION_SCOPE_KEY = "shardserver.connection"
+TOO_MANY_CONNECTIONS_MESSAGE = ("this API key holds its share of this server's connections (auth.key_share of "
+                                "server.max_connections): close idle connections or retry")
 INVALID_KEY_MESSAGE = "invalid API key: it is not one of this server's keys (auth.keys_file / auth.keys_env)"
 
 
@@ -262,6 +267,12 @@ class AuthMiddleware:
         self._on_reject = on_reject
         self._missing = _unauthorized(MISSING_KEY_MESSAGE, self._extra)
         self._invalid = _unauthorized(INVALID_KEY_MESSAGE, self._extra)
+        body = json.dumps({"error": TOO_MANY_CONNECTIONS_MESSAGE}).encode()
+        self._too_many = ({"type": "http.response.start", "status": 429,
+                           "headers": [(b"content-type", b"application/json"),
+                                       (b"content-length", str(len(body)).encode()), (b"retry-after", b"1"),
+                                       (b"connection", b"close"), *self._extra]},
+                          {"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
@@ -283,4 +294,12 @@ class AuthMiddleware:
             await send(body)
             return
         scope[OWNER_SCOPE_KEY] = owner
+        conn = scope.get(CONNECTION_SCOPE_KEY)
+        if conn is not None and conn.owner != owner and not conn.claim(owner):
+            if self._on_reject is not None:
+                self._on_reject("connections")
+            conn.cycle.keep_alive = False  # answered, then closed: the key's count goes down
+            await send(self._too_many[0])
+            await send(self._too_many[1])
+            return
         await self.app(scope, receive, send)

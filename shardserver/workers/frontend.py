@@ -67,7 +67,9 @@ class DrainingServer(uvicorn.Server):
             log.warning("front-end %d: server.max_connections=%d lowered to %d: the soft RLIMIT_NOFILE is %d "
                         "(raise it, e.g. ulimit -n, or lower server.max_connections)",
                         self._ctx.index, cfg.max_connections, cap, soft)
-        listener = self.listener = Listener(sockets[0], cap, self._ctx.index)
+        auth = self._ctx.cfg.auth
+        listener = self.listener = Listener(sockets[0], cap, self._ctx.index,
+                                            key_share=auth.key_share if auth.mode == "keys" else 0.0)
         limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, self._ctx.index, cfg.max_header_bytes,
                                   linger_bytes=2 * cfg.max_request_bytes)
         state, config = self.server_state, self.config

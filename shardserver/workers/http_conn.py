@@ -80,6 +80,8 @@ ACCEPT_ERROR_PAUSE_S = 0.5
 # File descriptors kept free for everything but client connections (control sockets, arenas,
 # metrics files, the logging pipe, imports).
 FD_RESERVE = 64
+# The fewest connections a key's share of a front-end's connections allows (auth.key_share).
+MIN_CONNECTIONS_PER_KEY = 8
 # Connections taken from the backlog per readiness event (the others wait for the next one).
 ACCEPT_BATCH = 64
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -231,6 +233,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         #: each arena write checks it first (see write_arena)
         self.arena_guard: tuple[Any, int, int] | None = None
         self.arena_cut = False      # an arena write found the slot freed: the response must be cut
+        self.owner: str | None = None  # the API key's owner tag its first authenticated request had
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, phase: str, seconds: float) -> None:
@@ -358,6 +361,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         CONNECTIONS_OPEN.dec()
         if self._listener is not None:
             self._listener.released(self)
+            if self.owner is not None:
+                self._listener.unclaim(self.owner)
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
         """The client shut down its sending side (``shutdown(SHUT_WR)``, a half-close). Requests
@@ -516,6 +521,18 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             except asyncio.TimeoutError:
                 pass
 
+    def claim(self, owner: str) -> bool:
+        """The connection's first authenticated request names its owner (``auth.mode = keys``):
+        count it against that key's share of this front-end's connections
+        (:meth:`Listener.claim`). False when the key holds its share already: the caller answers
+        429 and closes. A connection keeps its first owner."""
+        if self.owner is not None:
+            return True
+        if self._listener is not None and not self._listener.claim(owner):
+            return False
+        self.owner = owner
+        return True
+
     def write_arena(self, data: memoryview) -> None:
         """Write bytes viewed in an arena (a result's slot) so that nothing refers to them once
         this returns: the encoder may free and reuse the slot at any moment after.
@@ -646,10 +663,14 @@ class Listener:
         front_end: this front-end's index, for log lines.
     """
 
-    def __init__(self, sock: socket.socket, max_connections: int, front_end: int = 0) -> None:
+    def __init__(self, sock: socket.socket, max_connections: int, front_end: int = 0,
+                 key_share: float = 0.0) -> None:
         self.sock = sock
         self.max_connections = max_connections
         self.front_end = front_end
+        # auth.key_share (keys mode; 0: no per-key bound): the connections one key may hold here.
+        self.per_owner = max(MIN_CONNECTIONS_PER_KEY, int(key_share * max_connections)) if 0 < key_share < 1 else 0
+        self.owned: dict[str, int] = {}  # owner -> open connections it claimed
         self.loop = asyncio.get_running_loop()
         self.factory: ProtocolFactory | None = None
         self.open = 0               # accepted and not yet lost
@@ -787,6 +808,26 @@ class Listener:
 
     def not_idle(self, proto: GatewayHttpProtocol) -> None:
         self._idle.pop(proto, None)
+
+    def claim(self, owner: str) -> bool:
+        """Count one more connection of ``owner``; False (nothing counted) when it holds
+        :attr:`per_owner` already. In keys mode no key can then hold every connection slot and
+        lock the other keys out (each key's share of ``server.max_connections``)."""
+        n = self.owned.get(owner, 0)
+        if self.per_owner and n >= self.per_owner:
+            self.cap_log.hit("front-end %d: an API key holds its share of the connections (%d of "
+                             "server.max_connections = %d, auth.key_share): answering 429 and closing",
+                             self.front_end, self.per_owner, self.max_connections)
+            return False
+        self.owned[owner] = n + 1
+        return True
+
+    def unclaim(self, owner: str) -> None:
+        n = self.owned.get(owner, 0) - 1
+        if n > 0:
+            self.owned[owner] = n
+        else:
+            self.owned.pop(owner, None)
 
     def released(self, proto: GatewayHttpProtocol) -> None:
         self._idle.pop(proto, None)

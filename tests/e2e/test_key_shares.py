@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import numpy as np
 import pytest
@@ -142,3 +143,62 @@ def test_a_key_over_its_share_does_not_lock_out_another(tmp_path):
         refused = [float(v) for v in re.findall(r'^shardserver_asample_refused_total\{reason="key_quota"\} (\S+)$',
                                                 metrics.decode(), re.M)]
         assert refused == [3.0]
+
+
+def test_a_key_cannot_hold_every_connection_slot(tmp_path):
+    """Found by a break test (stop 26): per-key shares covered the arena and the pending bounds,
+    not connections, so one key holding server.max_connections open connections (long-polls,
+    never idle enough to evict) left the other keys' SDKs waiting in the listen backlog. Now a
+    key's first request on a connection past its share of the front-end's connections
+    (auth.key_share x server.max_connections) is answered 429 with Connection: close; the other
+    keys are served, and the key gets connections again as its own close."""
+    import socket
+
+    cfg = tmp_path / "keys.toml"
+    cfg.write_text(CONFIG.replace("front_ends = 1", "front_ends = 1\nmax_connections = 48"))
+    env = {"SHARDSERVER_API_KEYS": ",".join((KEY_A, KEY_B, KEY_C))}
+    body = json.dumps({"tags": [], "user_metadata": {}}).encode()
+
+    def request(key: str) -> bytes:
+        return (b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"X-API-Key: %s\r\nContent-Length: %d\r\n\r\n%s" % (key.encode(), len(body), body))
+
+    def answer(sock: socket.socket) -> tuple[int, bytes]:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        head, rest = data.split(b"\r\n\r\n", 1)
+        n = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+        while len(rest) < n:
+            rest += sock.recv(65536)
+        return int(head.split(b" ", 2)[1]), head
+
+    with RunningServer(cfg, env=env) as s:
+        held: list[socket.socket] = []
+        statuses = []
+        try:
+            for _ in range(30):  # key B's connections, kept open
+                c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+                c.sendall(request(KEY_B))
+                st, head = answer(c)
+                statuses.append(st)
+                if st == 429:
+                    assert b"connection: close" in head.lower() and b"retry-after: 1" in head.lower(), head
+                    assert c.recv(1) == b""  # closed by the server
+                    c.close()
+                else:
+                    held.append(c)
+            assert statuses == [200] * 16 + [429] * 14  # int(48 / 3)
+            a = KeyApi(s.url, KEY_A)  # another key is served
+            assert a.post("/api/v1/create_session", {"tags": [], "user_metadata": {}})[0] == 200
+            held.pop().close()  # B closes one: it may open one again
+            time.sleep(0.3)
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+            held.append(c)
+            c.sendall(request(KEY_B))
+            assert answer(c)[0] == 200
+        finally:
+            for c in held:
+                c.close()
