@@ -39,10 +39,10 @@ Layout (all integers little-endian)::
   payload, and the sender checks :meth:`ArenaReader.valid` right before each write of a piece
   of it and lets the kernel copy straight from the view in the same call, copying itself only
   what the socket did not take (:meth:`shardserver.workers.http_conn.GatewayHttpProtocol.write_arena`).
-  The writer never waits for readers; instead, a slot a reader was shown (``Slot.shown``)
-  keeps its bytes for ``hold_s`` after :meth:`ArenaWriter.free` zeroes its generation, so a
-  check and the copy right after it always read the same result (README.md, decision
-  "reading a slot").
+  The writer never waits for readers; instead, a slot a reader may be copying (handed out,
+  delivery not reported: ``ArenaWriter.free(slot, hold=True)``) keeps its bytes for ``hold_s``
+  after its generation is zeroed, so a check and the copy right after it always read the same
+  result (README.md, decision "reading a slot").
 * When the writer frees a committed slot: its future's TTL passed (completed or
   retrieved), it was cancelled or acknowledged, or a full arena evicted it
   (only delivered results are evicted, but a delivered result may be polled
@@ -99,11 +99,11 @@ _SB = struct.Struct("<8sQ")
 _OWNER = struct.Struct("<Q")  # owner start time, at offset _SB.size
 _GEN = struct.Struct("<Q")
 _PAGE = mmap.PAGESIZE
-#: Seconds an encoder's arena holds the space of a freed slot that a front-end was shown
-#: (:meth:`ArenaWriter.free`). A front-end checks a slot's generation and copies from it in the
+#: Seconds an encoder's arena holds the space of a freed slot that a front-end may be copying
+#: (handed out by a POLL, its delivery not reported: :meth:`ArenaWriter.free` with ``hold``). A front-end checks a slot's generation and copies from it in the
 #: same synchronous call (microseconds); if that ever took longer than half of this, it cuts the
 #: response instead of trusting the bytes (:class:`shardserver.api.sampling.ResultResponse`).
-ARENA_READ_HOLD_S = 1.0
+ARENA_READ_HOLD_S = 0.25
 _NAME_RE = re.compile(r"^shardserver-(\d+)-([0-9a-f]{8})-a(\d+)\.(\d+)$")
 
 
@@ -322,16 +322,13 @@ class Slot:
     """A committed or reserved region: ``offset`` of its header in the file, ``capacity`` bytes
     (header included), ``length`` payload bytes, ``generation`` (0 until committed)."""
 
-    __slots__ = ("offset", "capacity", "length", "generation", "shown")
+    __slots__ = ("offset", "capacity", "length", "generation")
 
     def __init__(self, offset: int, capacity: int) -> None:
         self.offset = offset
         self.capacity = capacity
         self.length = 0
         self.generation = 0
-        #: set by the writer's owner once a reader was told where the slot is (a POLL answer):
-        #: its space is then held for ``hold_s`` after free before it can be reused
-        self.shown = False
 
     def __repr__(self) -> str:
         return f"Slot(off={self.offset}, cap={self.capacity}, len={self.length}, gen={self.generation})"
@@ -350,7 +347,7 @@ class ArenaWriter:
 
     def __init__(self, name: str, hold_s: float = 0.0) -> None:
         self.name = name
-        #: seconds a freed slot that a reader was shown (``Slot.shown``) stays unusable: its
+        #: seconds a slot freed with ``hold=True`` (a reader may be copying it) stays unusable: its
         #: generation is zeroed at once (readers see it freed), its bytes stay as they are until
         #: then, so a reader that checked the generation just before copying never copies
         #: another result's bytes (see :meth:`free`)
@@ -503,18 +500,22 @@ class ArenaWriter:
         self.commit(slot, len(data))
         return slot
 
-    def free(self, slot: Slot) -> None:
+    def free(self, slot: Slot, hold: bool = False) -> None:
         """Invalidate the slot for readers and return its space to the free list; the memory
         pages it leaves entirely free go back to the kernel (see :meth:`_release_pages`). After
         :meth:`close`, nothing: the segment goes with the encoder (a control request answered
-        during its shutdown may still free results)."""
+        during its shutdown may still free results).
+
+        ``hold``: a reader may be copying from the slot at this moment (it was handed out and
+        its delivery not reported): the generation is zeroed now, but the bytes stay and the
+        space is reused only after :attr:`hold_s` (:meth:`release_held`)."""
         if self._mm.closed:
             return
         struct.pack_into("<Q", self._mm, slot.offset, 0)
         committed = slot.generation != 0
         slot.generation = 0
         self.live_slots -= 1
-        if committed and slot.shown and self.hold_s > 0:
+        if committed and hold and self.hold_s > 0:
             # A front-end may be copying this result out right now, having checked its
             # generation a moment ago: the bytes stay until hold_s has passed (they still count
             # in used_bytes), so what it copies is this result's or, once punched, zeros.
@@ -655,8 +656,8 @@ class ArenaReader:
         Unlike :meth:`read`, the bytes are not taken: the writer may free and reuse the slot
         while the view is being read. A caller that passes the view on (e.g. to a socket) must
         check :meth:`valid` right before each read of it and finish that read at once, keeping no
-        reference for later (the writer holds a freed slot's bytes for its ``hold_s`` once a
-        reader was shown the slot; generations never repeat, and ``free`` zeroes the generation
+        reference for later (the writer holds a freed slot's bytes for its ``hold_s`` while a
+        reader may be copying it; generations never repeat, and ``free`` zeroes the generation
         first). The view pins the mapping: :meth:`close` while one is alive leaves the unmapping
         to the last view's release.
 

@@ -149,6 +149,8 @@ class FutureEntry:
     expired: bool = False         # its pending TTL passed (counted as ``expired`` once)
     digest: bytes = b""           # SubmitRequest.digest: a resubmission of its key must match it
     journaled: bool = False       # its record is live in the shard's journal (a report is owed)
+    readers: int = 0              # POLL answers that handed out its slot, less the DELIVEREDs: a
+                                  # front-end may be copying from it (its free is then held)
 
     @property
     def session_key(self) -> tuple[str, int] | None:
@@ -484,9 +486,10 @@ class EncoderCore:
         self._charge(e, 0)
         self._release_body(e)
         self._release_reserve(e)
+        hold = e.readers > 0  # a front-end may be copying it right now (ArenaWriter.free)
         for s in (e.slot, e.json_slot):
             if s is not None:
-                self.arena.free(s)
+                self.arena.free(s, hold=hold)
         e.slot = e.json_slot = None
 
     def _drop(self, e: FutureEntry) -> None:
@@ -507,15 +510,21 @@ class EncoderCore:
         e.gone_reason = e.gone_reason or "expired"
         self._wake(e)
 
-    def _evict_delivered_until(self, fits, keep: str | None = None) -> bool:
+    def _evict_delivered_until(self, fits, keep: str | None = None, need: int = 0) -> bool:
         """Evict delivered results, oldest delivery first, until ``fits()`` is true.
 
         ``keep``: a future that must survive (the one being answered); it keeps its place.
+        ``need``: the arena bytes asked for; when the arena holds at least that much in slots
+        freed a moment ago (``ArenaWriter.hold_s``), nothing more is evicted (what an eviction
+        frees is held too, so it would not make room now): False, and the caller's 429 is
+        retried once they are back.
         """
         kept = keep is not None and self.eviction_queue.pop(keep, False) is None
         try:
             while not fits():
                 if not self.eviction_queue:
+                    return False
+                if need and self.arena.held_bytes >= need:
                     return False
                 fid, _ = self.eviction_queue.popitem(last=False)
                 e = self.table.get(fid)
@@ -644,7 +653,7 @@ class EncoderCore:
         # Reserve a real, contiguous slot now: the completion writes into it and gives back the
         # tail, so it can never fail for lack of (contiguous) space.
         slot = self.arena.alloc(payload)
-        if slot is None and (self._evict_delivered_until(lambda: self.arena.largest_free() >= need)
+        if slot is None and (self._evict_delivered_until(lambda: self.arena.largest_free() >= need, need=need)
                              or self._evict_abandoned_until(lambda: self.arena.largest_free() >= need)):
             slot = self.arena.alloc(payload)
         if slot is None:
@@ -875,7 +884,7 @@ class EncoderCore:
             self._release_reserve(e)
             slot = self.arena.alloc(size)
             if slot is None and self._evict_delivered_until(
-                    lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(size)):
+                    lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(size), need=ArenaWriter.slot_bytes(size)):
                 slot = self.arena.alloc(size)
             if slot is None:
                 self.counters["arena_overflow"] += 1
@@ -964,11 +973,11 @@ class EncoderCore:
                     # No room to cache the JSON form: hand out the proto and let the front-end
                     # derive JSON from it for this one response.
                     self.counters["json_uncached"] += 1
-                    slot.shown = True
+                    e.readers += 1
                     return PollDone(arena=self.arena.name, offset=slot.offset, length=slot.length,
                                     generation=slot.generation, form=ResultForm.PROTO)
             slot = e.json_slot
-        slot.shown = True  # a front-end will read it: held for ARENA_READ_HOLD_S once freed
+        e.readers += 1  # a front-end will copy from it until its DELIVERED (or for good, if it fails)
         return PollDone(arena=self.arena.name, offset=slot.offset, length=slot.length,
                         generation=slot.generation, form=want)
 
@@ -977,6 +986,8 @@ class EncoderCore:
         e = self.table.get(fid)
         if e is None or e.state not in (FutureState.DONE, FutureState.FAILED):
             return
+        if e.readers:
+            e.readers -= 1  # that front-end is done copying: its slot may be freed without a hold
         if not e.delivered:
             e.delivered = True
             self.delivered_count += 1

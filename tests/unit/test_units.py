@@ -704,20 +704,19 @@ def test_an_idle_connection_whose_next_request_waits_unread_is_not_evicted(monke
     assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\nok"), got
 
 
-def test_a_freed_slot_a_reader_was_shown_keeps_its_bytes_for_hold_s(arena):
-    """ArenaWriter(hold_s): a committed slot whose place a reader was told (Slot.shown) reads as
-    freed at once (generation 0) but keeps its bytes, and its space is not given out again,
-    until hold_s has passed; a slot never shown, or never committed, is reusable at once. A
-    front-end that checked the generation just before copying thus never copies another
+def test_a_slot_freed_with_hold_keeps_its_bytes_for_hold_s(arena):
+    """ArenaWriter(hold_s): a committed slot freed with hold=True (a front-end may be copying it)
+    reads as freed at once (generation 0) but keeps its bytes, and its space is not given out
+    again, until hold_s has passed; one freed without hold, or never committed, is reusable at
+    once. A front-end that checked the generation just before copying thus never copies another
     result's bytes (GatewayHttpProtocol.write_arena)."""
     w, r = arena
     w.hold_s = 0.3
     shown = w.write(b"\xaa" * 100_000)
-    shown.shown = True
     off, gen = shown.offset, shown.generation
     view = r.view(off, 100_000, gen)
     used = w.used_bytes
-    w.free(shown)
+    w.free(shown, hold=True)
     assert not r.valid(off, gen) and w.held_bytes == shown.capacity and w.used_bytes == used
     again = w.alloc(100_000)  # not in the held space: after it
     assert again is not None and again.offset >= off + shown.capacity
@@ -729,8 +728,8 @@ def test_a_freed_slot_a_reader_was_shown_keeps_its_bytes_for_hold_s(arena):
     assert w.release_held() == 1 and w.held_bytes == 0 and w.used_bytes == used
     third = w.alloc(100_000)  # the held space is given out again now
     assert third is not None and third.offset == off
-    # Never shown (a result nobody polled) or never committed (a reservation): no hold.
+    # Freed without hold (nobody copying), or never committed (a reservation): no hold.
     w.free(again)
-    w.free(third)
+    w.free(third, hold=True)
     assert w.held_bytes == 0 and w.used_bytes == 0 and w.live_slots == 0
     view.release()
