@@ -74,6 +74,16 @@ def assert_result(st: int, h: dict, body: bytes, prompt: list[int], seed: int, t
     assert np.array_equal(np.frombuffer(m.sequences[0].logprobs, dtype="<f4"), want["logprobs"])
 
 
+def sample_all_exactly(s: RunningServer, first: int, count: int) -> None:
+    """``count`` samples submitted at once (prompts ``[first, i, 7]``, seed ``i``), then each
+    retrieved and checked token for token (:func:`assert_result`)."""
+    api = Api(s.url)
+    ssid = api.sampling_session()
+    jobs = [submit(api, ssid, first, i) for i in range(count)]
+    for i, (rid, prompt) in enumerate(jobs):
+        assert_result(*retrieve(api, rid), prompt, i)
+
+
 def counters(s: RunningServer) -> dict[str, int]:
     """The encoders' counters, summed over shards."""
     out: dict[str, int] = {}
@@ -490,11 +500,7 @@ def test_waiting_for_a_pooled_connection_is_not_engine_time():
     """pool_size 2, timeout_s 3, each engine call takes 1.2 s, 6 samples at once. Before: samples
     5 and 6 failed with "engine timed out after 3.0 s" after 2.4 s of waiting for a connection."""
     with FakeEngine(delay_s=1.2) as eng, gateway(eng.url, pool_size=2, timeout_s=3) as s:
-        api = Api(s.url)
-        ssid = api.sampling_session()
-        jobs = [submit(api, ssid, 106, i) for i in range(6)]
-        for i, (rid, prompt) in enumerate(jobs):
-            assert_result(*retrieve(api, rid), prompt, i)
+        sample_all_exactly(s, 106, 6)
         t = sorted(e["t"] for e in completions(eng))
         assert len(t) == 6
         # Two at a time: the engine saw three waves, 1.2 s apart.
@@ -509,11 +515,7 @@ def test_samples_queued_inside_a_busy_engine_wait_past_timeout_s():
     the engine for 2 s or more failed with "engine timed out after 2 s". The engine answers other
     requests and its health probes meanwhile, so it is alive: all 10 are served, token for token."""
     with FakeEngine(max_running=2, delay_s=1.0) as eng, gateway(eng.url, timeout_s=2) as s:
-        api = Api(s.url)
-        ssid = api.sampling_session()
-        jobs = [submit(api, ssid, 109, i) for i in range(10)]
-        for i, (rid, prompt) in enumerate(jobs):
-            assert_result(*retrieve(api, rid), prompt, i)
+        sample_all_exactly(s, 109, 10)
         log = completions(eng)
         assert len(log) == 10 and all(e["request_id"].endswith("-a1") for e in log)  # none was sent twice
         # The last ones waited in the engine's queue well past timeout_s before they even started.
@@ -777,11 +779,7 @@ def test_an_fd_limit_below_engine_pool_size_lowers_the_pool_instead_of_failing_s
     at start, and the rest of the samples wait their turn: 200 samples of a 2 s engine under a
     limit of 200 files, all exact."""
     with FakeEngine(delay_s=2.0) as eng, gateway(eng.url, nofile=200, unavailable_budget_s=1) as s:
-        api = Api(s.url)
-        ssid = api.sampling_session()
-        jobs = [submit(api, ssid, 127, i) for i in range(200)]
-        for i, (rid, prompt) in enumerate(jobs):
-            assert_result(*retrieve(api, rid), prompt, i)
+        sample_all_exactly(s, 127, 200)
         assert any("engine.pool_size=512 lowered to 151" in line for line in s.log_lines), \
             [line for line in s.log_lines if "RLIMIT" in line]
         assert "failed_server" not in counters(s)
