@@ -154,6 +154,8 @@ class ControlClient:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self.connects = 0
+        #: called after each connection to the encoder past the first (a restarted encoder)
+        self.on_reconnect: Callable[[], None] | None = None
 
     @property
     def connected(self) -> bool:
@@ -184,6 +186,11 @@ class ControlClient:
             self._writer = writer
             self.connects += 1
             self._connected.set()
+            if self.connects > 1 and self.on_reconnect is not None:
+                try:
+                    self.on_reconnect()
+                except Exception:  # a hook must not stop the connection
+                    log.exception("control client %d: on_reconnect failed", self.shard)
             try:
                 while True:
                     frame = await read_frame(reader)

@@ -7,6 +7,7 @@ and vLLM's API server share state, never through closures.
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from ..control import ControlClient
 from ..ids import IdSigner
 from ..messages import PollPending
 from ..metrics import FrontendCounters
-from ..shm.arena import ArenaReader
+from ..shm.arena import SHM_DIR, ArenaReader
 from .auth import KeyTable
 
 __all__ = ["FrontendContext", "context"]
@@ -116,9 +117,20 @@ class FrontendContext:
             r = self.readers[name] = ArenaReader(name)
         return r
 
+    def drop_unlinked_readers(self) -> None:
+        """Close the arena readers whose segment is gone from ``/dev/shm`` (an encoder was
+        restarted: the supervisor unlinked its arena before starting the new one). Called when a
+        control client reconnects; until then a shard's old reader was closed only by the first
+        result read from its new arena, so with no such read it kept the old arena mapped, and
+        tmpfs kept its pages (a break test counted 6 MiB per restart). A reader with views still
+        alive (a response being sent) is unmapped when the last of them goes."""
+        for name in [n for n in self.readers if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            self.readers.pop(name).close()
+
     async def start(self) -> None:
         self.clients = [ControlClient(p, i) for i, p in enumerate(self.socket_paths)]
         for c in self.clients:
+            c.on_reconnect = self.drop_unlinked_readers
             c.start()
         for c in self.clients:
             await c.wait_connected(self.cfg.shards.ready_timeout_s)

@@ -454,3 +454,29 @@ def test_a_run_directory_removed_by_a_tmp_cleaner_is_recreated_and_a_restarted_f
         assert os.path.isdir(os.path.join(run_dir, "metrics"))
         assert sorted(os.listdir(run_dir)) >= ["enc-0.sock", "enc-1.sock", "metrics"]
     assert s.proc.returncode == 0
+
+
+def test_a_restarted_encoders_old_arena_is_unmapped_by_the_front_ends():
+    """Found by a break test (stop 26): a front-end closed a shard's old arena reader only when it
+    first read a result from the new arena, so after an encoder restart with no such read the
+    unlinked arena stayed mapped and tmpfs kept its pages (6 MiB per restart there). Now the
+    front-end drops readers of unlinked segments when its control connection comes back."""
+    def deleted_arenas(pid: int, sup: int) -> list[str]:
+        with open(f"/proc/{pid}/maps") as f:
+            return sorted({ln.split()[-2] for ln in f if f"shardserver-{sup}-" in ln and "(deleted)" in ln})
+
+    with RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1"}) as s:
+        api = Api(s.url)
+        rid = _submit(api, [4, 4, 4], max_tokens=2048)
+        assert api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})[0] == 200
+        (fe,) = _titled(s.proc.pid, "shardserver: front-end 0")
+        (enc,) = _titled(s.proc.pid, "shardserver: encoder 0")
+        os.kill(enc, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and http_json(s.url + "/readyz")[0] != 200:
+            time.sleep(0.1)
+        assert http_json(s.url + "/readyz")[0] == 200
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and deleted_arenas(fe, s.proc.pid):
+            time.sleep(0.1)
+        assert deleted_arenas(fe, s.proc.pid) == []
