@@ -191,10 +191,17 @@ class ResultResponse(Response):
                     break
                 pos, piece = end, ARENA_PIECE_BYTES
                 # The next piece once this one left the process (at most one copy held).
-                flushed = await conn.wait_flushed(self._written_timeout_s)
-                if flushed is False:
-                    return  # the connection broke: nothing delivered
-                if flushed is None:
+                left = conn.bytes_not_taken()
+                while True:
+                    flushed = await conn.wait_flushed(self._written_timeout_s)
+                    if flushed is False:
+                        return  # the connection broke: nothing delivered
+                    if flushed:
+                        break
+                    now_left = conn.bytes_not_taken()
+                    if now_left < left:
+                        left = now_left  # a slow reader, still taking bytes: wait on
+                        continue
                     # Nothing taken for server.keep_alive_s: the client stopped reading. Let go
                     # of the connection and the view (it pins the arena's mapping, which a
                     # restarted encoder's old arena would otherwise keep in /dev/shm).

@@ -533,6 +533,21 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.owner = owner
         return True
 
+    def bytes_not_taken(self) -> int:
+        """Bytes written to this connection that the client has not taken yet: the transport's
+        buffer plus the kernel's send queue (``TIOCOUTQ``: not yet acknowledged). It goes down as
+        the client reads, however slowly (the transport's buffer alone moves only when the
+        kernel's queue has drained by a third)."""
+        n = self.transport.get_write_buffer_size()
+        if self._fd >= 0:
+            buf = array.array("i", [0])
+            try:
+                fcntl.ioctl(self._fd, termios.TIOCOUTQ, buf, True)
+                n += buf[0]
+            except (OSError, ValueError):
+                pass
+        return n
+
     def write_arena(self, data: memoryview) -> None:
         """Write bytes viewed in an arena (a result's slot) so that nothing refers to them once
         this returns: the encoder may free and reuse the slot at any moment after.

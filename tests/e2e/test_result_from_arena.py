@@ -112,8 +112,8 @@ def test_result_read_whole_is_byte_exact_and_delivered(gateway):
 
 
 def test_slot_reused_while_sending_cuts_the_response(gateway, request):
-    """With server.keep_alive_s = 1 the stalled client is let go before the slot is reused (see
-    the last test); with the default the next piece finds the slot freed and cuts."""
+    """With the default server.keep_alive_s the next piece finds the slot freed and cuts; with 1 s
+    the stalled client may also be let go first (see the tests below)."""
     reuse_cuts = "keep_alive_default" in request.node.callspec.id
     api = Api(gateway.url)
     ssid = api.sampling_session()
@@ -143,7 +143,8 @@ def test_slot_reused_while_sending_cuts_the_response(gateway, request):
                       None)
     assert first_diff is None, f"bytes of another result from offset {first_diff} of {len(body)}"
     st = _stats(gateway.url)
-    assert st["counters"].get("retrieve_cut_slot_reused", 0) == (1 if reuse_cuts else 0)
+    cuts = st["counters"].get("retrieve_cut_slot_reused", 0)
+    assert cuts == 1 if reuse_cuts else cuts in (0, 1)  # (keep_alive 1 s: either way may end it first)
     # rid2's two polls above were its deliveries (one counted); rid's cut response was not reported.
     assert sum(sh["counters"].get("delivered", 0) for sh in st["shards"]) == delivered0 + 1
 
@@ -170,4 +171,34 @@ def test_a_client_that_stops_reading_is_let_go_after_keep_alive_s(gateway, reque
     assert body == own[:len(body)]
     st, _, again = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
     assert st == 200 and again == own
+    api.post("/api/v1/cancel_future", {"request_id": rid})
+
+
+def test_a_slow_reader_that_keeps_reading_is_not_let_go(gateway, request):
+    """Found by the second break test (stop 26): the front-end let go of a client when one piece
+    had not *wholly* left within server.keep_alive_s, so a reader slower than a piece per
+    keep_alive_s (256 KiB/s here, ~3.5 KB/s at the default 75 s) was reset although it never
+    stopped reading. Now only a piece of which nothing was taken for that long ends it: a client
+    reading 160 KB/s for 6 s (keep_alive_s = 1) is not reset."""
+    if "keep_alive_1s" not in request.node.callspec.id:
+        pytest.skip("needs server.keep_alive_s = 1")
+    api = Api(gateway.url)
+    ssid = api.sampling_session()
+    rid = _submit(api, ssid, 5, seed=9)
+    _wait_done(api, rid)
+    st, _, own = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
+    assert st == 200
+    s, length, rest = open_result_poll(gateway.port, rid)
+    got = bytearray(rest)
+    with s:
+        end = time.monotonic() + 6.0
+        while time.monotonic() < end:
+            try:
+                c = s.recv(16_384)
+            except ConnectionResetError:
+                pytest.fail(f"reset after {len(got)} bytes while reading at 160 KB/s")
+            assert c, f"closed after {len(got)} bytes while reading at 160 KB/s"
+            got += c
+            time.sleep(0.1)
+    assert 0 < len(got) < length and bytes(got) == own[:len(got)]
     api.post("/api/v1/cancel_future", {"request_id": rid})
