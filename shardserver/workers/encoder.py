@@ -1343,7 +1343,7 @@ class EncoderProc:
 
         def keep_socket() -> None:
             """A /tmp cleaner removed the run directory: bind the control socket's path again
-            (the old listener keeps its connections), so that a restarted front-end finds it."""
+            (the connections of the old listener stay), so that a restarted front-end finds it."""
             now = time.monotonic()
             if now < sock_checked[0] + SOCKET_CHECK_S:
                 return
@@ -1351,6 +1351,11 @@ class EncoderProc:
             if os.path.exists(sock_path):
                 return
             os.makedirs(os.path.dirname(sock_path), mode=0o700, exist_ok=True)
+            # The old listener stops listening (its path is gone; the front-ends' connections
+            # stay): one listening socket, however often the directory is removed.
+            for old in servers:
+                old.close()
+            servers.clear()
             fut = asyncio.ensure_future(serve_control(sock_path, core.handle))
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or servers.append(f.result()))
             log.warning("encoder %d: its control socket %s was removed (a /tmp cleaner?): bound again", shard, sock_path)

@@ -472,6 +472,10 @@ class Supervisor:
                 self._wait_ready(f, c)
             log.info("shardserver %s listening on http://%s:%d (%d encoders, %d front-ends, engine %s)",
                      self.run_id, host, port, cfg.shards.count, cfg.server.front_ends, mask_url(self.engine_url))
+            # Its metrics open their files in the run directory at import: import it now, while
+            # the directory is there for sure (later a /tmp cleaner may have removed it).
+            from .. import metrics  # noqa: F401
+
             if self.on_ready is not None:
                 self.on_ready(host, port)
             self._supervise()

@@ -424,13 +424,29 @@ def test_a_run_directory_removed_by_a_tmp_cleaner_is_recreated_and_a_restarted_f
     import glob
     import shutil
 
+    def listeners(path: str) -> int:
+        """Listening Unix sockets bound to ``path`` (/proc/net/unix; an unlinked one keeps its name)."""
+        with open("/proc/net/unix") as f:
+            return sum(1 for ln in f if ln.split()[-1] == path and ln.split()[3] == "00010000")
+
     with RunningServer(env={"SHARDSERVER_SHARDS__COUNT": "2", "SHARDSERVER_SERVER__FRONT_ENDS": "1"}) as s:
         api = Api(s.url)
         ssid = api.sampling_session()
         rid = api.submit(ssid, [1, 2, 3], 0)
         assert api.post("/api/v1/retrieve_future", {"request_id": rid})[0] == 200
         (run_dir,) = glob.glob(f"/tmp/shardserver-run-{s.proc.pid}-*")
-        shutil.rmtree(run_dir)
+        sock0 = os.path.join(run_dir, "enc-0.sock")
+        for _ in range(2):  # removed twice: the encoders bind again each time, one listener each
+            shutil.rmtree(run_dir)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not os.path.exists(sock0):
+                time.sleep(0.1)
+            assert os.path.exists(sock0)
+        time.sleep(0.5)
+        assert listeners(sock0) == 1
+        # The front-end's connections from before the removals still serve.
+        rid = api.submit(ssid, [1, 2, 3, 9], 9)
+        assert api.post("/api/v1/retrieve_future", {"request_id": rid})[0] == 200
         (victim,) = _titled(s.proc.pid, "shardserver: front-end 0")
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 30
