@@ -102,8 +102,9 @@ _PAGE = mmap.PAGESIZE
 #: Seconds an encoder's arena holds the space of a freed slot that a front-end may be copying
 #: (handed out by a POLL, its delivery not reported: :meth:`ArenaWriter.free` with ``hold``). A front-end checks a slot's generation and copies from it in the
 #: same synchronous call (microseconds); if that ever took longer than half of this, it cuts the
-#: response instead of trusting the bytes (:class:`shardserver.api.sampling.ResultResponse`).
-ARENA_READ_HOLD_S = 0.25
+#: response (:class:`shardserver.api.sampling.ResultResponse`). Only results freed while being
+#: sent are held (cancelled, expired or evicted mid-send), so a long hold costs little room.
+ARENA_READ_HOLD_S = 2.0
 _NAME_RE = re.compile(r"^shardserver-(\d+)-([0-9a-f]{8})-a(\d+)\.(\d+)$")
 
 

@@ -128,7 +128,7 @@ def test_slot_reused_while_sending_cuts_the_response(gateway, request):
         assert length == len(own)
         st, _, b = api.post("/api/v1/cancel_future", {"request_id": rid})  # the encoder frees the slot
         assert st == 200, b
-        time.sleep(1.5)  # past the encoder's hold of a freed slot (ARENA_READ_HOLD_S)
+        time.sleep(2.5)  # past the encoder's hold of a freed slot (ARENA_READ_HOLD_S)
         rid2 = _submit(api, ssid, 3, seed=6)  # another result is written into the freed space
         _wait_done(api, rid2)
         st, _, other = api.post("/api/v1/retrieve_future", {"request_id": rid2},
