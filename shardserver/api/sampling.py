@@ -49,8 +49,8 @@ from .common import CONNECTION_SCOPE_KEY, WAIT_WRITTEN_SCOPE_KEY, error, read_js
 from .models import UNSUPPORTED_SAMPLE_FIELDS, EncodedTextChunk, RetrieveFutureRequest, SampleRequest
 from .state import FrontendContext, context
 
-__all__ = ["router", "PROTO_MEDIA_TYPE", "REFUSAL_STATUS", "ARENA_FIRST_PIECE_BYTES", "ARENA_PIECE_BYTES", "ResultResponse", "asample",
-           "retrieve_future", "request_digest"]
+__all__ = ["router", "PROTO_MEDIA_TYPE", "REFUSAL_STATUS", "ARENA_FIRST_PIECE_BYTES", "ARENA_PIECE_BYTES",
+           "ResultResponse", "asample", "retrieve_future", "request_digest"]
 
 log = logging.getLogger("shardserver.frontend")
 
@@ -72,8 +72,6 @@ REFUSAL_STATUS = {
 router = APIRouter()
 
 
-#: Bytes at the end of a result sent straight from the arena that are held back until the rest
-#: was taken by the kernel and the slot's generation re-checked (see :class:`ResultResponse`).
 #: Bytes of a result sent from the arena in its first write: a result up to this size goes out
 #: in one write, from the arena straight into the socket when the socket takes it all. What the
 #: socket does not take is copied (GatewayHttpProtocol.write_arena), so a client that reads
