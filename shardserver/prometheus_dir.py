@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["MULTIPROC_ENV", "prepare_prometheus_dir", "prometheus_dir", "mark_process_dead", "use_cached_pid"]
+__all__ = ["MULTIPROC_ENV", "prepare_prometheus_dir", "prometheus_dir", "mark_process_dead", "use_cached_pid",
+           "restore_removed_files"]
 
 log = logging.getLogger("shardserver.metrics")
 
@@ -91,3 +92,76 @@ def mark_process_dead(pid: int | None) -> None:
         multiprocess.mark_process_dead(pid, d)
     except OSError as exc:  # pragma: no cover - a file vanished meanwhile
         log.debug("mark_process_dead(%s): %s", pid, exc)
+
+
+_own_files: list[str] = []
+
+
+def restore_removed_files() -> int:
+    """Write this process's multiprocess files again if they were removed (a ``/tmp`` cleaner
+    took the run directory; the supervisor recreates it), and go on writing to the new ones.
+
+    ``prometheus_client`` keeps each file mapped (``MmapedDict``) and would go on updating the
+    unlinked copy, so ``/metrics`` lost this process's counts until it restarted, and they
+    started again from 0. Here each removed file is written back from its mapping (same
+    layout, so every value keeps its position) and the ``MmapedDict`` maps the new file in
+    place: the metric objects keep their references. Cheap when nothing was removed (a
+    ``stat`` per file of this process); the first call, and a call after a removal, walk the
+    metrics of :data:`shardserver.metrics.REGISTRY` to find the mappings (not the garbage
+    collector's objects: a worker froze them, ``settle_gc``). Returns how many files were
+    restored.
+    """
+    if not os.environ.get(MULTIPROC_ENV):
+        return 0
+    if _own_files and all(os.path.exists(p) for p in _own_files):
+        return 0
+    from prometheus_client.mmap_dict import MmapedDict
+
+    dicts = _mmaped_dicts()
+    _own_files[:] = [d._fname for d in dicts]
+    n = 0
+    for d in dicts:
+        if os.path.exists(d._fname):
+            continue
+        os.makedirs(os.path.dirname(d._fname), exist_ok=True)
+        tmp = d._fname + ".restoring"
+        with open(tmp, "wb") as f:
+            f.write(d._m[:d._capacity])
+        os.replace(tmp, d._fname)
+        fresh = MmapedDict(d._fname)
+        old_m, old_f = d._m, d._f
+        d.__dict__.update(fresh.__dict__)  # the values refer to d: they now write to the new file
+        old_m.close()
+        old_f.close()
+        n += 1
+    if n:
+        log.warning("process %d: %d metrics file(s) removed with the run directory were written again", os.getpid(), n)
+    return n
+
+
+def _mmaped_dicts() -> list:
+    """The ``MmapedDict`` objects (writable) behind this process's metrics: found by walking the
+    metric objects of :data:`shardserver.metrics.REGISTRY` (their children, buckets and values)."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    from .metrics import REGISTRY
+
+    found: dict[int, MmapedDict] = {}
+    seen: set[int] = set()
+    stack: list = list(REGISTRY._collector_to_names)
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if type(o) is MmapedDict:
+            if o._f.mode != "rb" and not o._f.closed:
+                found[id(o)] = o
+            continue
+        if isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif type(o).__module__.startswith("prometheus_client") and hasattr(o, "__dict__"):
+            stack.extend(vars(o).values())
+    return list(found.values())

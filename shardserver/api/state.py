@@ -7,6 +7,7 @@ and vLLM's API server share state, never through closures.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,12 @@ from ..shm.arena import SHM_DIR, ArenaReader
 from .auth import KeyTable
 
 __all__ = ["FrontendContext", "context"]
+
+
+log = logging.getLogger("shardserver.frontend")
+
+#: Seconds between a front-end's upkeep rounds (FrontendContext.upkeep).
+UPKEEP_S = 5.0
 
 
 @dataclass
@@ -62,6 +69,7 @@ class FrontendContext:
     fe_header: dict[str, str] = field(init=False)
     engine_windows: dict[str, int] = field(default_factory=dict)
     _windows_task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _upkeep_task: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _result_headers: dict[tuple[int, str], list[tuple[bytes, bytes]]] = field(default_factory=dict, init=False,
                                                                               repr=False)
 
@@ -127,6 +135,19 @@ class FrontendContext:
         for name in [n for n in self.readers if not os.path.exists(os.path.join(SHM_DIR, n))]:
             self.readers.pop(name).close()
 
+    async def upkeep(self) -> None:
+        """Forever, every :data:`UPKEEP_S`: write this process's metrics files again if a
+        ``/tmp`` cleaner removed them with the run directory
+        (:func:`~shardserver.prometheus_dir.restore_removed_files`)."""
+        from ..prometheus_dir import restore_removed_files
+
+        while True:
+            await asyncio.sleep(UPKEEP_S)
+            try:
+                restore_removed_files()
+            except Exception:  # the metrics must never stop the front-end
+                log.exception("front-end %d: cannot write its metrics files again", self.index)
+
     async def start(self) -> None:
         self.clients = [ControlClient(p, i) for i, p in enumerate(self.socket_paths)]
         for c in self.clients:
@@ -134,6 +155,7 @@ class FrontendContext:
             c.start()
         for c in self.clients:
             await c.wait_connected(self.cfg.shards.ready_timeout_s)
+        self._upkeep_task = asyncio.get_running_loop().create_task(self.upkeep(), name="front-end-upkeep")
         if self.cfg.engine.health_interval_s > 0:  # the encoders' probes learn the engine's windows
             self._windows_task = asyncio.get_running_loop().create_task(self.learn_engine_windows(),
                                                                         name="learn-engine-windows")
@@ -150,6 +172,8 @@ class FrontendContext:
 
         await cancel_and_wait(self._windows_task)
         self._windows_task = None
+        await cancel_and_wait(self._upkeep_task)
+        self._upkeep_task = None
         for c in self.clients:
             await c.close()
         for r in self.readers.values():

@@ -1348,6 +1348,12 @@ class EncoderProc:
             if now < sock_checked[0] + SOCKET_CHECK_S:
                 return
             sock_checked[0] = now
+            from ..prometheus_dir import restore_removed_files
+
+            try:
+                restore_removed_files()
+            except Exception:  # the metrics must never stop the encoder
+                log.exception("encoder %d: cannot write its metrics files again", shard)
             if os.path.exists(sock_path):
                 return
             os.makedirs(os.path.dirname(sock_path), mode=0o700, exist_ok=True)

@@ -559,9 +559,8 @@ class Supervisor:
     def _keep_run_dir(self, now: float | None = None) -> None:
         """Keep the run directory (control sockets, metrics files) under ``/tmp`` cleaners: every
         :data:`RUN_DIR_CHECK_S` recreate it if it was removed (the encoders notice their socket
-        gone and bind it again). The Prometheus files of the processes alive then are lost: those
-        processes go on writing to their unlinked files, so ``/metrics`` shows their counts only
-        from their next restart, starting from 0 (a known gap, logged),
+        gone and bind it again, and every process writes its metrics files again:
+        :func:`~shardserver.prometheus_dir.restore_removed_files`),
         and every :data:`RUN_DIR_TOUCH_S` touch it and what it holds, so that a cleaner by age
         (systemd-tmpfiles: 10 days in /tmp by default) never finds it old during a long run."""
         now = time.monotonic() if now is None else now
@@ -573,11 +572,16 @@ class Supervisor:
             try:
                 os.makedirs(metrics, mode=0o700, exist_ok=True)
                 log.warning("the run directory %s was removed (a /tmp cleaner?): recreated; the encoders bind their "
-                            "control sockets again; the metrics of the running workers are lost from /metrics until "
-                            "they restart (their counters start again from 0)", self.run_dir)
+                            "control sockets again and every process writes its metrics files again", self.run_dir)
             except OSError as exc:
                 log.error("the run directory %s was removed and cannot be recreated: %s", self.run_dir, exc)
                 return
+        try:
+            from ..prometheus_dir import restore_removed_files
+
+            restore_removed_files()
+        except Exception:  # the metrics must never stop the supervisor
+            log.exception("cannot write the supervisor's metrics files again")
         if now >= self._run_dir_touched + RUN_DIR_TOUCH_S:
             self._run_dir_touched = now
             for root, dirs, files in os.walk(self.run_dir):

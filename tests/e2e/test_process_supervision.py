@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import Api
-from shardserver.testing import REPO, RunningServer, http_json, mapped_distributions, our_shm_segments
+from shardserver.testing import REPO, RunningServer, http_json, mapped_distributions, metric_sum, our_shm_segments
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -436,13 +436,24 @@ def test_a_run_directory_removed_by_a_tmp_cleaner_is_recreated_and_a_restarted_f
         assert api.post("/api/v1/retrieve_future", {"request_id": rid})[0] == 200
         (run_dir,) = glob.glob(f"/tmp/shardserver-run-{s.proc.pid}-*")
         sock0 = os.path.join(run_dir, "enc-0.sock")
+        requests0 = metric_sum(s.url, "shardserver_http_requests_total")
+        results0 = metric_sum(s.url, "shardserver_results_completed_total")
+        assert requests0 >= 4 and results0 >= 1
         for _ in range(2):  # removed twice: the encoders bind again each time, one listener each
             shutil.rmtree(run_dir)
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and not os.path.exists(sock0):
                 time.sleep(0.1)
             assert os.path.exists(sock0)
-        time.sleep(0.5)
+        # The counts of the processes that lived through the removals come back within their
+        # upkeep round (5 s), not restarted from 0 (they went on into the unlinked files before).
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (
+                metric_sum(s.url, "shardserver_http_requests_total") >= requests0
+                and metric_sum(s.url, "shardserver_results_completed_total") >= results0):
+            time.sleep(0.5)
+        assert metric_sum(s.url, "shardserver_http_requests_total") >= requests0
+        assert metric_sum(s.url, "shardserver_results_completed_total") >= results0
         assert listeners(sock0) == 1
         # The front-end's connections from before the removals still serve.
         rid = api.submit(ssid, [1, 2, 3, 9], 9)
