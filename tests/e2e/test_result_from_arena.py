@@ -149,20 +149,26 @@ def test_slot_reused_while_sending_cuts_the_response(gateway, request):
     assert sum(sh["counters"].get("delivered", 0) for sh in st["shards"]) == delivered0 + 1
 
 
+def _delivered_once(gateway, request, seq: int, seed: int) -> tuple[Api, str, bytes]:
+    """For the keep_alive_1s gateway only (else skip): a result sampled, waited for and read
+    whole once; returns (api, request_id, its bytes)."""
+    if "keep_alive_1s" not in request.node.callspec.id:
+        pytest.skip("needs server.keep_alive_s = 1")
+    api = Api(gateway.url)
+    rid = _submit(api, api.sampling_session(), seq, seed=seed)
+    _wait_done(api, rid)
+    st, _, own = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
+    assert st == 200
+    return api, rid, own
+
+
 def test_a_client_that_stops_reading_is_let_go_after_keep_alive_s(gateway, request):
     """Found by a break test (stop 26): a client that polls a result and never reads was waited
     on for as long as the slot stayed the result's, holding its view of the arena. After an
     encoder restart the old arena is never written again, so each such client pinned an unlinked
     arena in /dev/shm for good. Now a piece not taken within server.keep_alive_s ends the
     response (reset); the result stays undelivered and can be polled again."""
-    if "keep_alive_1s" not in request.node.callspec.id:
-        pytest.skip("needs server.keep_alive_s = 1")
-    api = Api(gateway.url)
-    ssid = api.sampling_session()
-    rid = _submit(api, ssid, 4, seed=8)
-    _wait_done(api, rid)
-    st, _, own = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
-    assert st == 200
+    api, rid, own = _delivered_once(gateway, request, 4, 8)
     s, length, rest = open_result_poll(gateway.port, rid)
     with s:
         time.sleep(3.0)  # reads nothing for 3 x keep_alive_s
@@ -180,14 +186,7 @@ def test_a_slow_reader_that_keeps_reading_is_not_let_go(gateway, request):
     keep_alive_s (256 KiB/s here, ~3.5 KB/s at the default 75 s) was reset although it never
     stopped reading. Now only a piece of which nothing was taken for that long ends it: a client
     reading 160 KB/s for 6 s (keep_alive_s = 1) is not reset."""
-    if "keep_alive_1s" not in request.node.callspec.id:
-        pytest.skip("needs server.keep_alive_s = 1")
-    api = Api(gateway.url)
-    ssid = api.sampling_session()
-    rid = _submit(api, ssid, 5, seed=9)
-    _wait_done(api, rid)
-    st, _, own = api.post("/api/v1/retrieve_future", {"request_id": rid}, headers={"Accept": "application/x-protobuf"})
-    assert st == 200
+    api, rid, own = _delivered_once(gateway, request, 5, 9)
     s, length, rest = open_result_poll(gateway.port, rid)
     got = bytearray(rest)
     with s:
