@@ -71,7 +71,7 @@ class DrainingServer(uvicorn.Server):
         listener = self.listener = Listener(sockets[0], cap, self._ctx.index,
                                             key_share=auth.key_share if auth.mode == "keys" else 0.0)
         limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, self._ctx.index, cfg.max_header_bytes,
-                                  linger_bytes=2 * cfg.max_request_bytes)
+                                  linger_bytes=2 * cfg.max_request_bytes, private_arena_copy=auth.mode == "keys")
         state, config = self.server_state, self.config
 
         def protocol() -> GatewayHttpProtocol:

@@ -155,6 +155,10 @@ class ConnectionLimits:
             the most body bytes read and discarded before the connection is closed (the
             front-ends use twice ``server.max_request_bytes``: a request a little over the
             bound still ends, and its connection serves the next one); 0: no bound.
+        private_arena_copy: copy each piece of a result out of the arena *before* checking its
+            slot, and send the copy (a seqlock read, :meth:`GatewayHttpProtocol.write_arena`);
+            the front-ends set it under ``auth.mode = "keys"``, where a byte of another result
+            would be another tenant's. Costs one copy of the result (8 µs per 256 KB from a warm cache).
     """
 
     header_timeout_s: float
@@ -162,6 +166,7 @@ class ConnectionLimits:
     front_end: int = 0
     max_header_bytes: int = 64 * 1024
     linger_bytes: int = 0
+    private_arena_copy: bool = False
 
 
 def effective_max_connections(configured: int) -> tuple[int, int]:
@@ -562,12 +567,21 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         view itself, keeps a reference to what the socket did not take and reads it whenever the
         client reads on: another result's bytes, once the slot was reused, and another tenant's
         under ``auth.mode = keys``.) Should the call ever take half that hold and find the slot
-        freed at the end, :attr:`arena_cut` is set too.
+        freed at the end, :attr:`arena_cut` is set too: the response is cut, never complete.
+
+        With :attr:`ConnectionLimits.private_arena_copy` (keys mode) the bytes are copied out
+        first and the slot checked after the copy, and only the copy is sent: a slot the encoder
+        has not freed by the end of the copy was not rewritten during it (it writes a slot again
+        only after freeing it), so no byte of another tenant's result can leave, even from a
+        front-end stopped for longer than the hold between its check and its send.
         """
         guard = self.arena_guard
+        private = False
         if guard is not None:
             reader, offset, generation = guard
             t0 = time.monotonic()
+            if self._limits.private_arena_copy:
+                data, private = memoryview(bytes(data)), True  # the copy, then the check (seqlock order)
             if not reader.valid(offset, generation):
                 self.arena_cut = True
                 return
@@ -579,8 +593,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             except OSError:  # EAGAIN: the socket is full; a broken one: the transport's write finds out
                 sent = 0
         if sent < len(data):
-            t.write(bytes(data[sent:]))
-        if guard is not None and time.monotonic() - t0 > ARENA_READ_HOLD_S / 2 and not reader.valid(offset, generation):
+            t.write(data[sent:] if private else bytes(data[sent:]))
+        if guard is not None and not private and time.monotonic() - t0 > ARENA_READ_HOLD_S / 2 and not reader.valid(offset, generation):
             self.arena_cut = True
 
     def closed(self) -> bool:

@@ -563,9 +563,10 @@ def test_rate_limited_log_keeps_each_kind_apart_and_flushes_what_it_folded() -> 
     assert len(lines) == 4
 
 
-def _gateway_protocol_factory(loop: asyncio.AbstractEventLoop, made: list, listener=None):
+def _gateway_protocol_factory(loop: asyncio.AbstractEventLoop, made: list, listener=None, **limits):
     """A factory of real :class:`GatewayHttpProtocol` instances (uvicorn config, a tiny ASGI app
-    answering 200 ``ok``); each instance is appended to ``made``."""
+    answering 200 ``ok``; ``limits``: more :class:`ConnectionLimits` fields); each instance is
+    appended to ``made``."""
     import uvicorn
     from uvicorn.server import ServerState
 
@@ -584,7 +585,7 @@ def _gateway_protocol_factory(loop: asyncio.AbstractEventLoop, made: list, liste
 
     def factory():
         proto = GatewayHttpProtocol(config=config, server_state=state, app_state={}, _loop=loop,
-                                    limits=ConnectionLimits(header_timeout_s=30, body_timeout_s=30),
+                                    limits=ConnectionLimits(header_timeout_s=30, body_timeout_s=30, **limits),
                                     listener=listener)
         made.append(proto)
         return proto
@@ -702,6 +703,74 @@ def test_an_idle_connection_whose_next_request_waits_unread_is_not_evicted(monke
     victim, got = uvloop.run(main()) if hasattr(uvloop, "run") else asyncio.run(main())
     assert victim is None
     assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\nok"), got
+
+
+class _SlotRewrittenAfterCheck:
+    """An arena reader whose slot the encoder frees and fills with another result (``B``) right
+    after the front-end's first check: what a front-end stopped between its check and its copy
+    for longer than ARENA_READ_HOLD_S would see."""
+
+    def __init__(self, slot: bytearray) -> None:
+        self.slot, self.checks = slot, 0
+
+    def valid(self, offset: int, generation: int) -> bool:
+        self.checks += 1
+        if self.checks == 1:
+            self.slot[:] = b"B" * len(self.slot)
+            return True
+        return False
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_keys_mode_sends_a_private_copy_checked_after_it_was_taken(private):
+    """Under ``auth.mode = keys`` (ConnectionLimits.private_arena_copy) write_arena copies a
+    result's piece out of the arena first and checks the slot after the copy (a seqlock read), so
+    a slot freed and rewritten after the check cannot put another tenant's bytes on the wire.
+    Without it (open mode, one tenant) the bytes go straight from the arena: the rewrite after
+    the check reaches the client, which is why keys mode pays for the copy."""
+    import socket as socketlib
+
+    uvloop = pytest.importorskip("uvloop")
+    made: list = []
+
+    async def main() -> tuple[bytes, bool]:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_gateway_protocol_factory(loop, made, private_arena_copy=private),
+                                          "127.0.0.1", 0)
+        client = socketlib.create_connection(server.sockets[0].getsockname())
+        client.setblocking(False)
+        try:
+            for _ in range(100):
+                if made:
+                    break
+                await asyncio.sleep(0.01)
+            (proto,) = made
+            slot = bytearray(b"A" * 200_000)
+            proto.arena_guard = (_SlotRewrittenAfterCheck(slot), 0, 7)
+            proto.write_arena(memoryview(slot))
+            got = b""
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                try:
+                    chunk = client.recv(1 << 20)
+                except BlockingIOError:
+                    if len(got) >= len(slot):
+                        break
+                    continue
+                if not chunk:
+                    break
+                got += chunk
+            return got, proto.arena_cut
+        finally:
+            client.close()
+            server.close()
+            await server.wait_closed()
+
+    got, cut = uvloop.run(main()) if hasattr(uvloop, "run") else asyncio.run(main())
+    if private:
+        assert got == b"A" * 200_000 and not cut  # the copy was taken before the rewrite
+    else:
+        assert got == b"B" * 200_000  # what open mode risks (its own result's space, one tenant)
 
 
 def test_a_slot_freed_with_hold_keeps_its_bytes_for_hold_s(arena):
