@@ -157,7 +157,8 @@ class EngineConfig:
     # One engine request, from the moment it has a connection slot (waiting for one not included):
     # past this it is given up (fails, category server) unless the engine shows it is alive: an
     # answer to another request or to a health probe (engine.health_interval_s) within the last
-    # max(60 s, 3 x health_interval_s). A live engine is running it or has it queued (vLLM's
+    # max(60 s, 3 x health_interval_s); a probe counts only while vLLM's token counters in its
+    # /metrics move, when it exports them (a hung engine core still answers /health). A live engine is running it or has it queued (vLLM's
     # scheduler runs max_num_seqs at once; a 32k-token generation alone can take longer than
     # this): it keeps waiting, up to max_request_s.
     timeout_s: float = 900.0

@@ -35,7 +35,10 @@ text, empty), 404 while ``engine.model`` pins
 the model
 HTTP 5xx (other)                                 fails                                        server
 no answer within ``engine.timeout_s`` of being   fails (the engine may be running it)         server
-sent while the engine answers nothing else;
+sent while the engine answers nothing else (a
+``/health`` answer counts only while vLLM's token
+counters in ``/metrics`` move: a hung engine core
+answers ``/health``, :mod:`shardserver.health`);
 no answer within ``engine.max_request_s``;
 body over ``engine.max_body_bytes``
 =============================================== ============================================ ==========
@@ -285,6 +288,8 @@ class EngineClient:
         self._returned = 0
         self.answer_bytes_peak = 0  # the most answer_bytes ever held (bytes)
         self._life_at = -math.inf  # monotonic time of the engine's last answer to anything (see _timed)
+        self._probe_at = -math.inf  # monotonic time of the last health probe that answered
+        self._progress_known = False  # that probe read the engine's token counters (probe_ok)
         self.life_window_s = max(LIFE_WINDOW_S, 3 * cfg.health_interval_s)
         # Called at every engine answer (the encoder's EngineProbe.kick: a failed probe is re-run at once).
         self.on_answer: Callable[[], None] | None = None
@@ -345,20 +350,37 @@ class EngineClient:
         return EngineOutage(for_s=round(time.monotonic() - self._down_since, 3), reason=self._down_reason,
                             budget_s=self.cfg.unavailable_budget_s, url=self.display_url)
 
-    def probe_ok(self) -> None:
+    def probe_ok(self, progress_at: float | None = None) -> None:
         """The engine answered a health probe: end the outage if no request is being re-forwarded
         and none failed in the last :data:`PROBE_QUIET_S` seconds (so ``/readyz`` does not stay
         503 after an outage that no sample has tried since, while a ``GET /health`` that answers
         does not outweigh completions refused a moment ago: an engine whose admission control
-        answers 503 still serves ``/health``)."""
-        self._life_at = time.monotonic()
+        answers 503 still serves ``/health``).
+
+        As a sign of life for attempts past ``engine.timeout_s`` (:meth:`_timed`): with
+        ``progress_at`` None (the engine exports no token counters) the answer itself counts;
+        otherwise only the last time the engine's token counters moved (``progress_at``,
+        ``time.monotonic()`` seconds; see :mod:`shardserver.health`, "Progress"): an engine core
+        that is hung still answers ``/health``.
+        """
+        self._probe_at = time.monotonic()
+        if progress_at is None:
+            self._life_at = self._probe_at
+            self._progress_known = False
+        else:
+            self._life_at = max(self._life_at, progress_at)
+            self._progress_known = True
         if self._retrying == 0 and time.monotonic() - self._last_failure >= PROBE_QUIET_S:
-            self._answered()
+            self._end_outage()
 
     def _answered(self) -> None:
+        """The engine answered a request: a sign of life, and the outage (if any) is over."""
         self._life_at = time.monotonic()
         if self.on_answer is not None:
             self.on_answer()
+        self._end_outage()
+
+    def _end_outage(self) -> None:
         if self._down_since is not None:
             log.info("engine at %s answers again after %.1f s", self.display_url,
                      time.monotonic() - self._down_since)
@@ -639,6 +661,13 @@ class _AttemptClock:
                 return
             self.verdict = (f"engine timed out after {now - self.start:.1f} s (engine.max_request_s = "
                             f"{self.cap:g}): no answer to this request, though the engine answers others")
+        elif c._progress_known and time.monotonic() - c._probe_at < c.life_window_s:
+            since = f"for {silent_s:.1f} s" if silent_s < math.inf else "since the gateway started"
+            self.verdict = (f"engine timed out after {now - self.start:.1f} s (engine.timeout_s = "
+                            f"{cfg.timeout_s:g}): no answer to this request or any other, and though "
+                            f"the engine answers GET /health, its token counters (vllm:generation_tokens_total, "
+                            f"vllm:prompt_tokens_total in /metrics) have not moved {since}: its engine core "
+                            f"runs nothing (hung?)")
         else:
             since = f"for {silent_s:.1f} s" if silent_s < math.inf else "since the gateway started"
             self.verdict = (f"engine timed out after {now - self.start:.1f} s (engine.timeout_s = "

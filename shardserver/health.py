@@ -30,12 +30,24 @@ Each successful probe also reads ``GET {engine.url}/v1/models``: the context
 window (``max_model_len``) of every model the engine serves, reported in
 STATS as ``"models"`` and in ``/readyz`` as ``"max_model_len"``. The
 front-ends use it for ``asample`` (see :mod:`shardserver.api.sampling`).
+
+**Progress.** ``/health`` answers as long as vLLM's API server runs, even while its engine
+core is hung (a stuck collective or kernel: the core is alive, so vLLM does not take it for
+dead). So each successful probe also reads ``GET {engine.url}/metrics`` and sums vLLM's token
+counters (:data:`PROGRESS_COUNTERS`, which move at every engine step that prefills or decodes
+anything). A probe counts as a sign of life for the engine calls waiting past
+``engine.timeout_s`` (:meth:`shardserver.engine_client.EngineClient.probe_ok`) only while those
+counters moved within the life window; an engine without them (a router, a proxy, vLLM with
+``--disable-log-stats``, the bundled simulator) is judged by ``/health`` alone, as before. An
+engine that reports requests running (``vllm:num_requests_running``) with counters that have not
+moved for :data:`STALL_LOG_S` is logged once as stalled (WARNING; INFO when it moves again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -58,13 +70,65 @@ if TYPE_CHECKING:
 PROBE_BODY_LIMIT = 4 << 20
 _TOO_LARGE = f"the answer's body is over {PROBE_BODY_LIMIT} bytes, the most a probe reads (health.PROBE_BODY_LIMIT)"
 
-__all__ = ["EngineProbe", "readiness", "engine_models_of"]
+__all__ = ["EngineProbe", "readiness", "engine_models_of", "parse_engine_progress"]
 
 log = logging.getLogger("shardserver.health")
 
 #: Seconds between probes while the engine is down (the last probe failed, or requests to it are
 #: being re-forwarded), when that is shorter than ``engine.health_interval_s``.
 DOWN_PROBE_S = 0.5
+#: vLLM's counters of tokens it prefilled and generated (``/metrics``; Prometheus counters, so
+#: with ``_total``; vllm/v1/metrics/loggers.py): summed over their series, they move whenever the
+#: engine core finishes a step.
+PROGRESS_COUNTERS = (b"vllm:generation_tokens_total", b"vllm:prompt_tokens_total")
+#: vLLM's gauge of the requests its scheduler runs now (summed over series).
+RUNNING_GAUGE = b"vllm:num_requests_running"
+#: Seconds with requests running and the token counters unmoved after which the engine is logged
+#: as stalled (once per stall).
+STALL_LOG_S = 60.0
+
+
+def parse_engine_progress(body: bytes) -> tuple[float, float] | None:
+    """``(tokens, running)`` from a vLLM ``/metrics`` answer (Prometheus text format 0.0.4):
+    the sum of :data:`PROGRESS_COUNTERS` over all their series (tokens) and of
+    :data:`RUNNING_GAUGE` (requests; 0 when absent). None when neither counter is there (not
+    vLLM, or vLLM with ``--disable-log-stats``). Series whose value is not a finite number are
+    skipped; label values may hold spaces and braces (they are quoted)."""
+    tokens = running = 0.0
+    seen = False
+    for line in body.split(b"\n"):
+        if not line.startswith(b"vllm:"):
+            continue
+        brace = line.find(b"{")
+        space = line.find(b" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name = line[:brace]
+            end = line.rfind(b"}")
+            if end < brace:
+                continue
+            rest = line[end + 1:]
+        else:
+            if space == -1:
+                continue
+            name, rest = line[:space], line[space:]
+        is_counter = name in PROGRESS_COUNTERS
+        if not is_counter and name != RUNNING_GAUGE:
+            continue
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        if not math.isfinite(value):
+            continue
+        if is_counter:
+            tokens += value
+            seen = True
+        else:
+            running += value
+    return (tokens, running) if seen else None
 
 
 class EngineProbe:
@@ -82,6 +146,8 @@ class EngineProbe:
         self.url = engine_base_url(url) + "/health"
         self.display_url = mask_url(self.url)
         self.models_url = engine_base_url(url) + "/v1/models"
+        self.metrics_url = engine_base_url(url) + "/metrics"
+        self.display_base = mask_url(engine_base_url(url))
         # {model id: context window in tokens}, from the last GET /v1/models that answered one.
         self.models: dict[str, int] = {}
         self.interval_s = interval_s
@@ -93,15 +159,24 @@ class EngineProbe:
         self.reason = "engine probing disabled (engine.health_interval_s = 0)" if interval_s <= 0 else \
             "engine not probed yet"
         self.checked_at = 0.0
-        # Called after each successful probe (the encoder ends an engine outage no request is
-        # re-forwarding any more: EngineClient.probe_ok).
-        self.on_ok: Callable[[], None] | None = None
+        # Called after each successful probe with progress_at (see below; None: the engine
+        # exports no token counters): the encoder ends an engine outage no request is
+        # re-forwarding any more, and takes it as a sign of life (EngineClient.probe_ok).
+        self.on_ok: Callable[[float | None], None] | None = None
+        # The engine's token counters (parse_engine_progress) at the last probe that read them
+        # (None: unknown), the monotonic time they were last seen moving (-inf: not yet; the
+        # first reading is no evidence), since when they are known, and whether a stall is logged.
+        self.tokens: float | None = None
+        self.progress_at = -math.inf
+        self._tokens_since = 0.0
+        self._stall_logged = False
         # True while the encoder's engine requests are failing (EngineClient.unavailable): probe
         # every DOWN_PROBE_S then, too.
         self.outage: Callable[[], bool] | None = None
         self._session: aiohttp.ClientSession | None = None  # https:// engines
         self._pool: EnginePool | None = None  # http:// engines
         self._models_target = ""  # GET target of /v1/models on self._pool
+        self._metrics_target = ""  # GET target of /metrics on self._pool
         # What a probe that cannot reach the engine raises: OSError (engine_http's failures are
         # turned into one), and aiohttp.ClientError for https:// engines.
         self._errors: tuple[type[BaseException], ...] = (OSError,)
@@ -128,6 +203,7 @@ class EngineProbe:
             self._pool = EnginePool(self.url, connect_timeout_s=self.timeout_s, idle_s=0.0,
                                     keep_buffer_bytes=1 << 20)
             self._models_target = request_target(self.models_url)
+            self._metrics_target = request_target(self.metrics_url)
         else:
             import aiohttp
 
@@ -168,9 +244,9 @@ class EngineProbe:
             except asyncio.TimeoutError:
                 pass
 
-    async def _get(self, models: bool) -> tuple[int, bytes]:
-        """``GET /health`` (or ``/v1/models``) on a connection of its own, within ``timeout_s``:
-        (status, body).
+    async def _get(self, models: bool, metrics: bool = False) -> tuple[int, bytes]:
+        """``GET /health`` (or ``/v1/models``, or with ``metrics`` ``/metrics``) on a connection
+        of its own, within ``timeout_s``: (status, body).
 
         Raises:
             asyncio.TimeoutError: no complete answer within ``timeout_s`` seconds.
@@ -186,7 +262,7 @@ class EngineProbe:
                 async with asyncio.timeout(self.timeout_s):
                     status, body, _ = await pool.post(
                         b"", self._headers or {}, limit=PROBE_BODY_LIMIT, fresh=True, method="GET",
-                        target=self._models_target if models else None)
+                        target=self._metrics_target if metrics else self._models_target if models else None)
             except BodyTooLarge:
                 raise OSError(_TOO_LARGE) from None
             except (ConnectFailed, Broken, BadResponse) as exc:
@@ -200,7 +276,7 @@ class EngineProbe:
         import aiohttp
 
         try:
-            return await self._get_aiohttp(self.models_url if models else self.url)
+            return await self._get_aiohttp(self.metrics_url if metrics else self.models_url if models else self.url)
         except aiohttp.ClientResponseError as exc:
             raise OSError(f"not an HTTP/1.1 answer: {exc.message}") from None
 
@@ -235,7 +311,7 @@ class EngineProbe:
         except (asyncio.TimeoutError, *self._errors):
             ok = False
         if ok and self.on_ok is not None:
-            self.on_ok()
+            self.on_ok(None)
         return ok
 
     async def check_once(self) -> bool:
@@ -262,12 +338,48 @@ class EngineProbe:
         known = bool(self.models)
         if ok and not known:
             await self._learn_models()
+        if ok:
+            await self._read_progress()
         self.ok, self.reason, self.checked_at = ok, reason, time.monotonic()
         if ok and self.on_ok is not None:
-            self.on_ok()
+            self.on_ok(None if self.tokens is None else self.progress_at)
         if ok and known:
             await self._learn_models()
         return ok
+
+    async def _read_progress(self) -> None:
+        """``GET /metrics``: update :attr:`tokens` and :attr:`progress_at` (see the module's
+        "Progress"), and log a stall. An answer without vLLM's counters makes progress unknown
+        (:attr:`tokens` None); a failed read leaves what the last one learned."""
+        try:
+            status, body = await self._get(models=False, metrics=True)
+        except (asyncio.TimeoutError, *self._errors):
+            return
+        parsed = parse_engine_progress(body) if status == 200 else None
+        now = time.monotonic()
+        if parsed is None:
+            self.tokens, self.progress_at, self._stall_logged = None, -math.inf, False
+            return
+        tokens, running = parsed
+        first, moved = self.tokens is None, tokens != self.tokens
+        self.tokens = tokens
+        if first:
+            self._tokens_since = now
+            return
+        if moved:
+            self.progress_at = now
+            if self._stall_logged:
+                log.info("encoder %d: engine at %s generates again (its token counters moved)", self.shard,
+                         self.display_base)
+                self._stall_logged = False
+            return
+        still = now - max(self.progress_at, self._tokens_since)
+        if running > 0 and still >= STALL_LOG_S and not self._stall_logged:
+            self._stall_logged = True
+            log.warning("encoder %d: engine at %s reports %g requests running but its token counters (%s in "
+                        "/metrics) have not moved for %.0f s: its engine core looks hung, though GET /health "
+                        "answers; engine calls waiting on it fail after engine.timeout_s", self.shard,
+                        self.display_base, running, ", ".join(c.decode() for c in PROGRESS_COUNTERS), still)
 
     async def _learn_models(self) -> None:
         """``GET /v1/models``: learn each served model's context window (``max_model_len``), again

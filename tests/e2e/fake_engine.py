@@ -39,6 +39,11 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
 * ``api_key``: like ``vllm serve --api-key``: every ``/v1/*`` request without
   ``Authorization: Bearer <api_key>`` gets 401 ``{"error":"Unauthorized"}`` (``/health`` is open).
 * ``abort``: the next N completions end with ``finish_reason: "abort"`` (a partial sample).
+* ``metrics``: ``GET /metrics`` answers vLLM's token counters (``vllm:generation_tokens_total``,
+  ``vllm:prompt_tokens_total``) and ``vllm:num_requests_running`` (the completions being
+  handled): ``"live"`` counters grow by 100 tokens a second while a completion is being handled
+  (a working engine core), ``"frozen"`` ones never move (a hung engine core, whose API server
+  still answers ``/health``); None (the default): 404, like an engine that exports none.
 * ``model``, ``max_model_len``: what ``GET /v1/models`` reports and what the bodies are
   rendered with (prompt + max_tokens over the window: vLLM's 400).
 * ``script``: generate these token ids (repeated as needed) instead of the simulator's, with
@@ -84,7 +89,7 @@ DEFAULTS: dict[str, Any] = {
     "drop_how": "close",
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
     "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "api_key": None, "script": None, "pad_bytes": 0, "pad_how": "chunked",
-    "crash_resets": False, "max_running": 0, "garble": 0,
+    "crash_resets": False, "max_running": 0, "garble": 0, "metrics": None,
 }
 PHRASES = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout", 413: "Request Entity Too Large",
            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
@@ -158,6 +163,8 @@ class _Server:
         self.conns = 0
         self.gathered: list[asyncio.Event] = []  # completions held by ``gather``
         self.running: asyncio.Semaphore | None = None  # ``max_running``
+        self.handling = 0  # completions being handled now (``metrics``)
+        self.tokens, self.tokens_at = 1000.0, time.monotonic()  # ``metrics``: the counters' sum, when
 
     def set_config(self, patch: dict[str, Any]) -> None:
         unknown = set(patch) - set(DEFAULTS)
@@ -215,7 +222,13 @@ class _Server:
                     await self.send(writer, 401, b'{"error":"Unauthorized"}')
                     continue
                 if path == "/v1/completions" and method == "POST":
-                    keep = await self.completion(conn, nth, hdrs, body, writer)
+                    self._advance()
+                    self.handling += 1
+                    try:
+                        keep = await self.completion(conn, nth, hdrs, body, writer)
+                    finally:
+                        self._advance()
+                        self.handling -= 1
                 else:
                     keep = await self.other(method, path, body, writer)
                 if not keep:
@@ -383,9 +396,30 @@ class _Server:
         await writer.drain()
         return True
 
+    def _advance(self) -> None:
+        """``metrics = "live"``: the token counters grow 100 a second while completions run."""
+        now = time.monotonic()
+        if self.cfg["metrics"] == "live" and self.handling:
+            self.tokens += 100.0 * (now - self.tokens_at)
+        self.tokens_at = now
+
     async def other(self, method: str, path: str, raw: bytes, writer: asyncio.StreamWriter) -> bool:
         if path == "/health":
             await self.send(writer, 200, b"")
+        elif path == "/metrics" and self.cfg["metrics"]:
+            self._advance()
+            m = self.cfg["model"]
+            text = (f'# HELP vllm:num_requests_running Number of requests in model execution batches.\n'
+                    f'# TYPE vllm:num_requests_running gauge\n'
+                    f'vllm:num_requests_running{{engine="0",model_name="{m}"}} {float(self.handling)}\n'
+                    f'# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n'
+                    f'# TYPE vllm:prompt_tokens_total counter\n'
+                    f'vllm:prompt_tokens_total{{engine="0",model_name="{m}"}} 300.0\n'
+                    f'vllm:prompt_tokens_created{{engine="0",model_name="{m}"}} 1.7e+09\n'
+                    f'# HELP vllm:generation_tokens_total Number of generation tokens processed.\n'
+                    f'# TYPE vllm:generation_tokens_total counter\n'
+                    f'vllm:generation_tokens_total{{engine="0",model_name="{m}"}} {float(int(self.tokens))}\n')
+            await self.send(writer, 200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
             m = self.cfg["model"]
             await self.send(writer, 200, json.dumps({"object": "list", "data": [{

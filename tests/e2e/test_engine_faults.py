@@ -591,6 +591,38 @@ def test_a_request_the_engine_never_answers_fails_at_timeout_s_when_silent_else_
             assert 2.5 <= took < 6.0, took
 
 
+def test_a_hung_engine_core_that_still_answers_health_fails_its_samples_at_timeout_s():
+    """A real vLLM failure: the engine core hangs (a stuck collective or CUDA kernel) while the
+    API server goes on answering GET /health, since the core process is alive. Before, every
+    health probe counted as a sign of life, so a sample waited out engine.max_request_s (30 s
+    here, 4 h by default) before failing "though the engine answers others". Now a probe counts
+    only while vLLM's token counters in /metrics move: frozen, the sample fails at timeout_s
+    (2 s, plus the probe it asks for), saying the core runs nothing. The same request on an
+    engine whose counters move (a working core that takes 4 s for it) waits past timeout_s and
+    is served, token for token."""
+    with FakeEngine(delay_s=60, metrics="frozen") as eng, \
+            gateway(eng.url, timeout_s=2, max_request_s=30, connect_timeout_s=1) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        t0 = time.monotonic()
+        rid, _ = submit(api, ssid, 114, 0)
+        st, h, body = retrieve(api, rid)
+        took = time.monotonic() - t0
+        err = json.loads(body)
+        assert st == 200 and err["category"] == "server", err
+        assert err["error"].startswith("engine timed out after ") and err["error"].endswith(
+            "(engine.timeout_s = 2): no answer to this request or any other, and though the engine answers "
+            "GET /health, its token counters (vllm:generation_tokens_total, vllm:prompt_tokens_total in /metrics) "
+            "have not moved since the gateway started: its engine core runs nothing (hung?)"), err
+        assert 2.0 <= took < 8.0, took
+        assert len(completions(eng)) == 1  # sent once, given up (its connection closed: vLLM aborts it)
+    with FakeEngine(delay_s=4, metrics="live") as eng, \
+            gateway(eng.url, timeout_s=2, max_request_s=30, connect_timeout_s=1) as s:
+        sample_all_exactly(s, 114, 1)
+        c = counters(s)
+        assert "failed_server" not in c and c["engine_waits_past_timeout"] == 1, c
+
+
 def test_a_pinned_engine_model_the_engine_no_longer_serves_is_the_deployments_fault():
     """Found by a break test: with engine.model pinned, an engine that came back serving another
     name answered vLLM's 404 "The model ... does not exist", and the sample failed with category

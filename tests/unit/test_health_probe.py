@@ -40,6 +40,10 @@ async def main(scheme):
     async def handle(r, w):
         try:
             head = await r.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /metrics "):  # the progress read after a reachable probe: none here
+                w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                await w.drain()
+                return
             seen.append(head.split(b"\r\n")[0].decode())
             w.write(ANSWERS[len(seen) - 1])
             await w.drain()
@@ -111,6 +115,11 @@ def test_a_slow_models_answer_does_not_hold_back_recovery() -> None:
 
         async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             head = await r.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /metrics "):  # the progress read after a reachable probe: none here
+                w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                await w.drain()
+                w.close()
+                return
             seen.append(head.split(b"\r\n")[0].decode())
             answer = answers[len(seen) - 1]
             if answer is None:
@@ -138,3 +147,93 @@ def test_a_slow_models_answer_does_not_hold_back_recovery() -> None:
         server.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_progress_is_read_from_vllm_token_counters_and_a_stall_is_logged_once(monkeypatch, caplog):
+    """After each reachable probe, GET /metrics: the sum of vLLM's token counters. The first
+    reading is no evidence (progress_at stays -inf); a reading that moved sets progress_at, which
+    on_ok receives; counters frozen while requests run are logged once as a hung core, and again
+    (INFO) when they move; an answer without the counters makes progress unknown (on_ok(None))."""
+    import asyncio
+    import logging
+    import math
+
+    from shardserver import health
+
+    monkeypatch.setattr(health, "STALL_LOG_S", 0.0)
+    state = {"tokens": 1000.0, "running": 2.0, "metrics": True}
+
+    def metrics() -> bytes:
+        if not state["metrics"]:
+            return b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+        text = ('# TYPE vllm:generation_tokens_total counter\n'
+                f'vllm:generation_tokens_total{{engine="0",model_name="m x {{1}}"}} {state["tokens"]}\n'
+                'vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e+09\n'
+                'vllm:prompt_tokens_total{engine="0",model_name="m"} 50.0\n'
+                'vllm:prompt_tokens_total{engine="1",model_name="m"} NaN\n'
+                f'vllm:num_requests_running{{engine="0",model_name="m"}} {state["running"]}\n').encode()
+        return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text)
+
+    async def main() -> list:
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            head = await r.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /metrics "):
+                w.write(metrics())
+            elif head.startswith(b"GET /health "):
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            else:
+                w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            await w.drain()
+            w.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        probe = health.EngineProbe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", interval_s=60,
+                                   timeout_s=5.0)
+        probe.open()
+        got: list = []
+        probe.on_ok = got.append
+        try:
+            assert await probe.check_once() is True
+            assert probe.tokens == 1050.0 and probe.progress_at == -math.inf  # first reading: no evidence
+            state["tokens"] = 1200.0
+            t0 = time.monotonic()
+            assert await probe.check_once() is True
+            assert probe.tokens == 1250.0 and t0 <= probe.progress_at <= time.monotonic()
+            moved = probe.progress_at
+            assert await probe.check_once() is True  # frozen, 2 running: logged as stalled
+            assert await probe.check_once() is True  # still frozen: not logged again
+            state["tokens"] = 1300.0
+            assert await probe.check_once() is True  # moving again: INFO
+            assert probe.progress_at > moved
+            state["metrics"] = False
+            assert await probe.check_once() is True and probe.tokens is None
+            return got[:3] + [got[5]] + [moved]
+        finally:
+            await probe.close()
+            server.close()
+
+    with caplog.at_level(logging.INFO, logger="shardserver.health"):
+        first, second, third, last, moved = asyncio.run(asyncio.wait_for(main(), 30))
+    assert first == -math.inf and second == moved and third == moved and last is None
+    hung = [r for r in caplog.records if "looks hung" in r.getMessage()]
+    again = [r for r in caplog.records if "generates again" in r.getMessage()]
+    assert len(hung) == 1 and hung[0].levelno == logging.WARNING, caplog.text
+    assert "reports 2 requests running but its token counters (vllm:generation_tokens_total, " \
+           "vllm:prompt_tokens_total in /metrics) have not moved" in hung[0].getMessage()
+    assert len(again) == 1 and again[0].levelno == logging.INFO
+
+
+def test_parse_engine_progress_sums_the_counters_and_knows_when_there_are_none():
+    from shardserver.health import parse_engine_progress
+
+    body = (b'# HELP vllm:generation_tokens_total Number of generation tokens processed.\n'
+            b'vllm:generation_tokens_total{engine="0",model_name="Qwen/Qwen3-8B"} 1234.0\n'
+            b'vllm:generation_tokens_total{engine="1",model_name="Qwen/Qwen3-8B"} 6.0\n'
+            b'vllm:prompt_tokens_total 60\n'
+            b'vllm:prompt_tokens_total{engine="2"} +Inf\n'
+            b'vllm:num_requests_running{engine="0"} 3.0 1700000000000\n'
+            b'vllm:num_requests_waiting{engine="0"} 7.0\n'
+            b'vllm:generation_tokens_total{broken 5\n')
+    assert parse_engine_progress(body) == (1300.0, 3.0)
+    assert parse_engine_progress(b"vllm:num_requests_running 3.0\nhttp_requests_total 9\n") is None
+    assert parse_engine_progress(b"") is None
