@@ -349,12 +349,13 @@ class EngineProbe:
 
     async def _read_progress(self) -> None:
         """``GET /metrics``: update :attr:`tokens` and :attr:`progress_at` (see the module's
-        "Progress"), and log a stall. An answer without vLLM's counters makes progress unknown
-        (:attr:`tokens` None); a failed read leaves what the last one learned."""
+        "Progress"), and log a stall. A failed read, or an answer without vLLM's counters, makes
+        progress unknown (:attr:`tokens` None: the probe alone counts again), so a counter that
+        could not be read is never taken for one that stopped."""
         try:
             status, body = await self._get(models=False, metrics=True)
         except (asyncio.TimeoutError, *self._errors):
-            return
+            status, body = 0, b""
         parsed = parse_engine_progress(body) if status == 200 else None
         now = time.monotonic()
         if parsed is None:
