@@ -489,7 +489,8 @@ def _build_section(name: str, data: Mapping[str, Any]) -> Any:
         key = f"{name}.{exc.key}"
         if exc.problem == "unknown":
             raise ConfigError(key, f"unknown key (known: {', '.join(sorted(exc.known))})") from None
-        raise ConfigError(key, f"expected {exc.kind.name}, got {exc.value!r}") from None
+        expected = "a finite number" if exc.kind.name == "float" else exc.kind.name
+        raise ConfigError(key, f"expected {expected}, got {exc.value!r}") from None
 
 
 def config_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None = None,

@@ -11,7 +11,10 @@ message (the config names the dotted key in a ``ConfigError``; the simulator ans
 ``ValueError``), and checks value ranges itself.
 
 Type rules: ``bool`` is not an ``int`` or ``float``; an ``int`` is accepted for a
-``float`` field and converted; ``None`` only where the type says ``| None``. A
+``float`` field and converted, and a ``float`` field takes finite numbers only (TOML's
+``inf`` and ``nan`` are refused: every bound here says "none" with 0, and an infinite one
+overflowed later, e.g. a TTL of ``inf`` made every ``asample`` answer 500); ``None`` only where
+the type says ``| None``. A
 :class:`EnvText` value (text from an environment variable) is parsed leniently:
 ``"1"/"true"/"yes"/"on"`` and ``"0"/"false"/"no"/"off"`` for bools, ``"4_096"`` for
 ints, surrounding spaces for numbers.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Mapping
 
 __all__ = ["FieldKind", "FieldError", "EnvText", "field_kinds", "check_fields"]
@@ -99,10 +103,14 @@ def _coerce(kind: FieldKind, value: Any) -> Any:
         if isinstance(value, bool):
             raise ValueError
         if isinstance(value, (int, float)):
-            return float(value)
-        if from_env:
-            return float(value.strip())
-        raise ValueError
+            number = float(value)
+        elif from_env:
+            number = float(value.strip())
+        else:
+            raise ValueError
+        if not math.isfinite(number):  # TOML's inf and nan: no knob means "unbounded" by inf
+            raise ValueError
+        return number
     if kind.name == "str":
         if isinstance(value, str):
             return str(value)

@@ -226,7 +226,7 @@ class SimConfig:
         return d
 
 
-_TYPE_WORDS = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string"}
+_TYPE_WORDS = {"bool": "a boolean", "int": "an integer", "float": "a finite number", "str": "a string"}
 
 
 def _check_fields(cls: type, m: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -73,6 +73,28 @@ def test_invalid_config_names_the_key(data, env, key):
     assert key in str(ei.value)
 
 
+@pytest.mark.parametrize("key", ["futures.pending_ttl_s", "futures.retrieved_ttl_s", "futures.completed_ttl_s",
+                                 "server.keep_alive_s", "engine.timeout_s", "shards.ready_timeout_s"])
+@pytest.mark.parametrize("how", ["toml inf", "toml nan", "env inf", "env -inf"])
+def test_a_non_finite_number_is_refused_naming_the_key(key, how, tmp_path):
+    """Found by a break test: ``futures.pending_ttl_s = inf`` (valid TOML) passed every range check
+    (inf > 0), the gateway started and /readyz said 200, and every asample answered 500 "cannot
+    convert float NaN to integer" (the TTL wheel); ``server.keep_alive_s = inf`` killed the
+    front-ends with OverflowError. Every float key takes finite numbers only."""
+    section, name = key.split(".")
+    if how.startswith("toml"):
+        path = tmp_path / "c.toml"
+        path.write_text(f"[{section}]\n{name} = {how.split()[1]}\n")
+        with pytest.raises(ConfigError) as ei:
+            load_config(path, env={})
+    else:
+        with pytest.raises(ConfigError) as ei:
+            config_from_mapping({}, env={f"SHARDSERVER_{section.upper()}__{name.upper()}": how.split()[1]})
+    assert ei.value.key == key
+    assert str(ei.value).endswith(f"expected a finite number, got {float(how.split()[1])!r}" if how.startswith("toml")
+                                  else f"expected a finite number, got {how.split()[1]!r}"), str(ei.value)
+
+
 def test_max_request_s_follows_a_long_timeout_unless_set():
     """Found by a break test: ``engine.max_request_s`` (new, must be >= ``engine.timeout_s``) with a
     fixed 4 h default refused a config that only set ``timeout_s = 20000``. Its default, 0, is
