@@ -184,6 +184,16 @@ BUFFER_IDLE_S = 10.0
 #: Seconds between an encoder's looks at its control socket's path (bound again when a /tmp
 #: cleaner removed the run directory; the supervisor recreates the directory as often).
 SOCKET_CHECK_S = 5.0
+#: A request (its content, ``SubmitRequest.digest``: the SDK resubmits a sample after a 410 with
+#: the same content and a new seq_id) that the engine aborted more than this many rounds of
+#: ``engine.max_abort_resubmits + 1`` attempts, over at least ``engine.unavailable_budget_s``,
+#: while it finished other requests in between, fails instead of answering 410 once more: the
+#: engine singles it out, and the SDK would resubmit it forever.
+ABORT_ROUNDS = 10
+#: Request contents whose aborts are remembered (the oldest is forgotten past this).
+ABORT_HISTORY_MAX = 4096
+#: Seconds between WARNING lines about futures answered 410 after their abort re-forwards.
+ABORT_LOG_EVERY_S = 10.0
 
 
 # vLLM's refusal of prompt + max_tokens over its context window (vllm serving_engine's
@@ -309,6 +319,13 @@ class EncoderCore:
         # was not aborted (None: it answers). Past engine.unavailable_budget_s, a future out of
         # abort re-forwards fails instead of answering 410 (which the SDK would resubmit forever).
         self._aborting_since: float | None = None
+        # Aborts per request content across its resubmissions (digest -> [monotonic time of the
+        # first, aborts, self._finished when it came]), and engine answers that were not aborted:
+        # see ABORT_ROUNDS. An entry goes when its content is answered, or past ABORT_HISTORY_MAX.
+        self._abort_history: collections.OrderedDict[bytes, list] = collections.OrderedDict()
+        self._finished = 0
+        self._abort_log_at = -1e18  # monotonic time of the last WARNING about a 410 after aborts
+        self._abort_log_folded = 0  # such 410s since that line
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float, now: float | None = None) -> None:
@@ -839,6 +856,7 @@ class EncoderCore:
                     now = time.monotonic()
                     if self._aborting_since is None:
                         self._aborting_since = now
+                    history = self._note_abort(e.digest, now)
                     ec = self.cfg.engine
                     if aborts > ec.max_abort_resubmits:
                         aborting_for = now - self._aborting_since
@@ -849,11 +867,26 @@ class EncoderCore:
                                           f"{ec.unavailable_budget_s:g}); this one {aborts} times "
                                           f"(engine.max_abort_resubmits = {ec.max_abort_resubmits})", "server")
                             return
+                        if history is not None and self._singled_out(history, now):
+                            self.counters["engine_budget_exhausted"] += 1
+                            self._abort_history.pop(e.digest, None)
+                            self._fail(e, f"engine at {self.engine.display_url} aborted this request {history[1]} "
+                                          f"times in {now - history[0]:.1f} s, its resubmissions included, while "
+                                          f"finishing {self._finished - history[2]} others (more than "
+                                          f"{ABORT_ROUNDS} x (engine.max_abort_resubmits + 1) = "
+                                          f"{ABORT_ROUNDS * (ec.max_abort_resubmits + 1)}, over more than "
+                                          f"engine.unavailable_budget_s = {ec.unavailable_budget_s:g}); it is not "
+                                          f"sent again", "server")
+                            return
+                        self._log_abort_gone(e, aborts)
                         self._gone(e, f"engine aborted the request {aborts} times "
                                       f"(engine.max_abort_resubmits={ec.max_abort_resubmits})")
                         return
                     continue
                 self._aborting_since = None
+                self._finished += 1
+                if self._abort_history and e.digest:
+                    self._abort_history.pop(e.digest, None)
                 body = b""  # nothing more to send: keep no request body
                 self._release_body(e)
                 self._store(e, dc)
@@ -869,6 +902,43 @@ class EncoderCore:
         finally:
             self._release_body(e)
             self._call_finished()
+
+    def _note_abort(self, digest: bytes, now: float) -> list | None:
+        """Count an abort of the request content ``digest`` (``SubmitRequest.digest``) in
+        :attr:`_abort_history`; its entry ``[first abort, aborts, finished answers then]``, or None
+        for a request without a digest."""
+        if not digest:
+            return None
+        h = self._abort_history.get(digest)
+        if h is None:
+            h = self._abort_history[digest] = [now, 0, self._finished]
+            if len(self._abort_history) > ABORT_HISTORY_MAX:
+                self._abort_history.popitem(last=False)
+        else:
+            self._abort_history.move_to_end(digest)
+        h[1] += 1
+        return h
+
+    def _singled_out(self, history: list, now: float) -> bool:
+        """Whether the engine singles out a request content (see :data:`ABORT_ROUNDS`): aborted
+        more than ``ABORT_ROUNDS x (engine.max_abort_resubmits + 1)`` times over at least
+        ``engine.unavailable_budget_s``, while it finished other requests in between."""
+        ec = self.cfg.engine
+        return (history[1] > ABORT_ROUNDS * (ec.max_abort_resubmits + 1)
+                and now - history[0] >= ec.unavailable_budget_s and self._finished > history[2])
+
+    def _log_abort_gone(self, e: FutureEntry, aborts: int) -> None:
+        """WARNING (at most every :data:`ABORT_LOG_EVERY_S`, folding the others) that a future
+        answers 410 because the engine aborted it ``aborts`` times."""
+        now = time.monotonic()
+        self._abort_log_folded += 1
+        if now - self._abort_log_at < ABORT_LOG_EVERY_S:
+            return
+        more = f" ({self._abort_log_folded} such futures since the last line)" if self._abort_log_folded > 1 else ""
+        log.warning("encoder %d: the engine aborted future %s %d times (finish_reason abort; "
+                    "engine.max_abort_resubmits = %d): it answers 410 and the SDK resubmits the sample%s",
+                    self.shard, e.fid, aborts, self.cfg.engine.max_abort_resubmits, more)
+        self._abort_log_at, self._abort_log_folded = now, 0
 
     def _store(self, e: FutureEntry, dc) -> None:
         plan = plan_sample_response(dc)

@@ -39,6 +39,8 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
 * ``api_key``: like ``vllm serve --api-key``: every ``/v1/*`` request without
   ``Authorization: Bearer <api_key>`` gets 401 ``{"error":"Unauthorized"}`` (``/health`` is open).
 * ``abort``: the next N completions end with ``finish_reason: "abort"`` (a partial sample).
+* ``abort_prompt``: every completion whose prompt holds this token id ends with
+  ``finish_reason: "abort"``, whatever else is answered (an engine that singles a request out).
 * ``metrics``: ``GET /metrics`` answers vLLM's token counters (``vllm:generation_tokens_total``,
   ``vllm:prompt_tokens_total``) and ``vllm:num_requests_running`` (the completions being
   handled): ``"live"`` counters grow by 100 tokens a second while a completion is being handled
@@ -89,7 +91,7 @@ DEFAULTS: dict[str, Any] = {
     "drop_how": "close",
     "truncate": 0, "status": None, "status_body": "vllm", "status_for_s": 0.0, "abort": 0,
     "model": "Qwen/Qwen3-8B", "max_model_len": 65536, "api_key": None, "script": None, "pad_bytes": 0, "pad_how": "chunked",
-    "crash_resets": False, "max_running": 0, "garble": 0, "metrics": None,
+    "crash_resets": False, "max_running": 0, "garble": 0, "metrics": None, "abort_prompt": None,
 }
 PHRASES = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout", 413: "Request Entity Too Large",
            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
@@ -322,8 +324,10 @@ class _Server:
             await asyncio.sleep(cfg["delay_s"])
         sim = SimConfig.from_mapping({"model_name": cfg["model"], "max_model_len": cfg["max_model_len"]})
         override = None
-        if cfg["abort"] > 0:
-            cfg["abort"] -= 1
+        singled = cfg["abort_prompt"] is not None and cfg["abort_prompt"] in ((req or {}).get("prompt") or [])
+        if cfg["abort"] > 0 or singled:
+            if not singled:
+                cfg["abort"] -= 1
             entry["action"] = "abort"
             override = FaultRule(kind="finish_reason", finish_reason="abort")
         rid = hdrs.get("x-request-id")

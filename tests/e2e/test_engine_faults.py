@@ -591,6 +591,44 @@ def test_a_request_the_engine_never_answers_fails_at_timeout_s_when_silent_else_
             assert 2.5 <= took < 6.0, took
 
 
+def test_a_request_the_engine_aborts_every_time_fails_instead_of_looping_through_resubmits():
+    """Found by the third break test: an engine that answers finish_reason abort to one request
+    every time, and the others normally. Each future answered 410 after its abort re-forwards,
+    the SDK resubmitted the sample (same content, new seq_id), and so on forever: the other
+    answers kept resetting the shard-wide abort budget, and nothing was logged. Now aborts are
+    also counted per request content across resubmissions: past ABORT_ROUNDS x
+    (engine.max_abort_resubmits + 1) = 10 aborts over engine.unavailable_budget_s (2 s) while
+    other requests were finished, the next one fails (category server), saying so; the 410s
+    before it are logged (WARNING, folded)."""
+    from shardserver.workers.encoder import ABORT_ROUNDS
+
+    with FakeEngine(abort_prompt=777) as eng, gateway(eng.url, unavailable_budget_s=2, max_abort_resubmits=0) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        answers = []
+        t0 = time.monotonic()
+        for seq in range(0, 400, 2):  # the SDK's resubmission after each 410: same content, new seq_id
+            rid = api.submit(ssid, [116, 777, 7], seq_id=seq, max_tokens=MAX_TOKENS, seed=5)
+            st, _, body = retrieve(api, rid)
+            answers.append(st)
+            if st != 410:
+                break
+            other, prompt = submit(api, ssid, 116, seq + 1)  # another sample, answered meanwhile
+            assert_result(*retrieve(api, other), prompt, seq + 1)
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        err = json.loads(body)
+        assert st == 200 and err["category"] == "server" and set(answers[:-1]) == {410}, (answers, body)
+        assert len(answers) > ABORT_ROUNDS + 1 and took >= 2.0, (answers, took)  # the count, then the time
+        n = len(answers)
+        assert re.fullmatch(rf"engine at {re.escape(eng.url)}/v1/completions aborted this request {n} times in "
+                            rf"[2-9]\.\d s, its resubmissions included, while finishing {n - 1} others \(more than 10 x "
+                            r"\(engine\.max_abort_resubmits \+ 1\) = 10, over more than engine\.unavailable_budget_s "
+                            r"= 2\); it is not sent again", err["error"]), err
+        warned = [ln for ln in s.log_lines if "answers 410 and the SDK resubmits the sample" in ln]
+        assert warned and "the engine aborted future" in warned[0], s.log_lines[-20:]
+
+
 def test_a_hung_engine_core_that_still_answers_health_fails_its_samples_at_timeout_s():
     """A real vLLM failure: the engine core hangs (a stuck collective or CUDA kernel) while the
     API server goes on answering GET /health, since the core process is alive. Before, every
