@@ -187,8 +187,8 @@ SOCKET_CHECK_S = 5.0
 #: A request (its content, ``SubmitRequest.digest``: the SDK resubmits a sample after a 410 with
 #: the same content and a new seq_id) that the engine aborted more than this many rounds of
 #: ``engine.max_abort_resubmits + 1`` attempts, over at least ``engine.unavailable_budget_s``,
-#: while it finished other requests in between, fails instead of answering 410 once more: the
-#: engine singles it out, and the SDK would resubmit it forever.
+#: each time right after an answer that was not aborted (not in an abort storm), fails instead of
+#: answering 410 once more: the engine singles it out, and the SDK would resubmit it forever.
 ABORT_ROUNDS = 10
 #: Request contents whose aborts are remembered (the oldest is forgotten past this).
 ABORT_HISTORY_MAX = 4096
@@ -854,9 +854,15 @@ class EncoderCore:
                     aborts += 1
                     self.counters["engine_aborts"] += 1
                     now = time.monotonic()
+                    # Only an abort right after an answer that was not aborted counts against the
+                    # request's content: in a storm (a weight sync aborting all in flight), only
+                    # the first abort does, so identical requests aborted together are not
+                    # taken for one the engine singles out.
                     if self._aborting_since is None:
                         self._aborting_since = now
-                    history = self._note_abort(e.digest, now)
+                        history = self._note_abort(e.digest, now)
+                    else:
+                        history = self._abort_history.get(e.digest) if e.digest else None
                     ec = self.cfg.engine
                     if aborts > ec.max_abort_resubmits:
                         aborting_for = now - self._aborting_since
@@ -871,8 +877,9 @@ class EncoderCore:
                             self.counters["engine_budget_exhausted"] += 1
                             self._abort_history.pop(e.digest, None)
                             self._fail(e, f"engine at {self.engine.display_url} aborted this request {history[1]} "
-                                          f"times in {now - history[0]:.1f} s, its resubmissions included, while "
-                                          f"finishing {self._finished - history[2]} others (more than "
+                                          f"times in {now - history[0]:.1f} s right after finishing others, its "
+                                          f"resubmissions included ({self._finished - history[2]} others finished; "
+                                          f"more than "
                                           f"{ABORT_ROUNDS} x (engine.max_abort_resubmits + 1) = "
                                           f"{ABORT_ROUNDS * (ec.max_abort_resubmits + 1)}, over more than "
                                           f"engine.unavailable_budget_s = {ec.unavailable_budget_s:g}); it is not "
@@ -904,9 +911,9 @@ class EncoderCore:
             self._call_finished()
 
     def _note_abort(self, digest: bytes, now: float) -> list | None:
-        """Count an abort of the request content ``digest`` (``SubmitRequest.digest``) in
-        :attr:`_abort_history`; its entry ``[first abort, aborts, finished answers then]``, or None
-        for a request without a digest."""
+        """Count an abort of the request content ``digest`` (``SubmitRequest.digest``) that came
+        right after an answer that was not aborted, in :attr:`_abort_history`; its entry
+        ``[first abort, aborts, finished answers then]``, or None for a request without a digest."""
         if not digest:
             return None
         h = self._abort_history.get(digest)
@@ -921,8 +928,8 @@ class EncoderCore:
 
     def _singled_out(self, history: list, now: float) -> bool:
         """Whether the engine singles out a request content (see :data:`ABORT_ROUNDS`): aborted
-        more than ``ABORT_ROUNDS x (engine.max_abort_resubmits + 1)`` times over at least
-        ``engine.unavailable_budget_s``, while it finished other requests in between."""
+        more than ``ABORT_ROUNDS x (engine.max_abort_resubmits + 1)`` times, each right after an
+        answer that was not aborted, over at least ``engine.unavailable_budget_s``."""
         ec = self.cfg.engine
         return (history[1] > ABORT_ROUNDS * (ec.max_abort_resubmits + 1)
                 and now - history[0] >= ec.unavailable_budget_s and self._finished > history[2])
