@@ -189,7 +189,9 @@ SOCKET_CHECK_S = 5.0
 #: ``engine.max_abort_resubmits + 1`` attempts, over at least ``engine.unavailable_budget_s``,
 #: each time right after an answer that was not aborted (not in an abort storm), fails instead of
 #: answering 410 once more: the engine singles it out, and the SDK would resubmit it forever.
-ABORT_ROUNDS = 10
+#: Each encoder counts the attempts it makes (the SDK's resubmissions go to any shard), so with S
+#: shards such a sample ends after about S times as many resubmissions.
+ABORT_ROUNDS = 3
 #: Request contents whose aborts are remembered (the oldest is forgotten past this).
 ABORT_HISTORY_MAX = 4096
 #: Seconds between WARNING lines about futures answered 410 after their abort re-forwards.
