@@ -33,14 +33,17 @@ front-ends use it for ``asample`` (see :mod:`shardserver.api.sampling`).
 
 **Progress.** ``/health`` answers as long as vLLM's API server runs, even while its engine
 core is hung (a stuck collective or kernel: the core is alive, so vLLM does not take it for
-dead). So each successful probe also reads ``GET {engine.url}/metrics`` and sums vLLM's token
-counters (:data:`PROGRESS_COUNTERS`, which move at every engine step that prefills or decodes
-anything). A probe counts as a sign of life for the engine calls waiting past
-``engine.timeout_s`` (:meth:`shardserver.engine_client.EngineClient.probe_ok`) only while those
-counters moved within the life window; an engine without them (a router, a proxy, vLLM with
-``--disable-log-stats``, the bundled simulator) is judged by ``/health`` alone, as before. An
-engine that reports requests running (``vllm:num_requests_running``) with counters that have not
-moved for :data:`STALL_LOG_S` is logged once as stalled (WARNING; INFO when it moves again).
+dead). So each successful probe also reads ``GET {engine.url}/metrics``: vLLM's token counters
+(:data:`PROGRESS_COUNTERS`, which move at every engine step that prefills or decodes anything)
+and the requests it runs or holds waiting (:data:`BUSY_GAUGES`). For the engine calls waiting
+past ``engine.timeout_s`` (:meth:`shardserver.engine_client.EngineClient.probe_ok`) a probe
+then counts as a sign of life unless the engine holds requests and its counters did not move:
+only an engine *stuck* on requests loses the benefit of its ``/health``. An idle engine still
+counts (behind a load balancer the probe may reach an idle replica while another one runs this
+encoder's requests), and so does one without the counters (a router, a proxy, vLLM with
+``--disable-log-stats``, the bundled simulator), as before. An engine that holds requests with
+counters that have not moved for :data:`STALL_LOG_S` is logged once as stalled (WARNING; INFO
+when it moves again).
 """
 
 from __future__ import annotations
@@ -81,19 +84,19 @@ DOWN_PROBE_S = 0.5
 #: with ``_total``; vllm/v1/metrics/loggers.py): summed over their series, they move whenever the
 #: engine core finishes a step.
 PROGRESS_COUNTERS = (b"vllm:generation_tokens_total", b"vllm:prompt_tokens_total")
-#: vLLM's gauge of the requests its scheduler runs now (summed over series).
-RUNNING_GAUGE = b"vllm:num_requests_running"
+#: vLLM's gauges of the requests its scheduler runs and holds waiting (summed over series).
+BUSY_GAUGES = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
 #: Seconds with requests running and the token counters unmoved after which the engine is logged
 #: as stalled (once per stall).
 STALL_LOG_S = 60.0
 
 
 def parse_engine_progress(body: bytes) -> tuple[float, float] | None:
-    """``(tokens, running)`` from a vLLM ``/metrics`` answer (Prometheus text format 0.0.4):
+    """``(tokens, requests)`` from a vLLM ``/metrics`` answer (Prometheus text format 0.0.4):
     the sum of :data:`PROGRESS_COUNTERS` over all their series (tokens) and of
-    :data:`RUNNING_GAUGE` (requests; 0 when absent). None when neither counter is there (not
-    vLLM, or vLLM with ``--disable-log-stats``). Series whose value is not a finite number are
-    skipped; label values may hold spaces and braces (they are quoted)."""
+    :data:`BUSY_GAUGES` (requests it runs or holds waiting; 0 when absent). None when neither
+    counter is there (not vLLM, or vLLM with ``--disable-log-stats``). Series whose value is not
+    a finite number are skipped; label values may hold spaces and braces (they are quoted)."""
     tokens = running = 0.0
     seen = False
     for line in body.split(b"\n"):
@@ -112,7 +115,7 @@ def parse_engine_progress(body: bytes) -> tuple[float, float] | None:
                 continue
             name, rest = line[:space], line[space:]
         is_counter = name in PROGRESS_COUNTERS
-        if not is_counter and name != RUNNING_GAUGE:
+        if not is_counter and name not in BUSY_GAUGES:
             continue
         fields = rest.split()
         if not fields:
@@ -366,18 +369,22 @@ class EngineProbe:
         self.tokens = tokens
         if first:
             self._tokens_since = now
-            return
-        if moved:
+        if running == 0 or (moved and not first):
+            # Generating, or holding no request at all: nothing stuck in it (behind a load
+            # balancer the probe may reach an idle replica while another runs this encoder's
+            # requests), so the answer counts as a probe's always did.
             self.progress_at = now
             if self._stall_logged:
                 log.info("encoder %d: engine at %s generates again (its token counters moved)", self.shard,
                          self.display_base)
                 self._stall_logged = False
             return
+        if first:
+            return
         still = now - max(self.progress_at, self._tokens_since)
-        if running > 0 and still >= STALL_LOG_S and not self._stall_logged:
+        if still >= STALL_LOG_S and not self._stall_logged:
             self._stall_logged = True
-            log.warning("encoder %d: engine at %s reports %g requests running but its token counters (%s in "
+            log.warning("encoder %d: engine at %s reports %g requests running or waiting but its token counters (%s in "
                         "/metrics) have not moved for %.0f s: its engine core looks hung, though GET /health "
                         "answers; engine calls waiting on it fail after engine.timeout_s", self.shard,
                         self.display_base, running, ", ".join(c.decode() for c in PROGRESS_COUNTERS), still)

@@ -44,8 +44,11 @@ against ``conftest.engine_body``. Behaviour (JSON, changeable while it runs with
 * ``metrics``: ``GET /metrics`` answers vLLM's token counters (``vllm:generation_tokens_total``,
   ``vllm:prompt_tokens_total``) and ``vllm:num_requests_running`` (the completions being
   handled): ``"live"`` counters grow by 100 tokens a second while a completion is being handled
-  (a working engine core), ``"frozen"`` ones never move (a hung engine core, whose API server
-  still answers ``/health``); None (the default): 404, like an engine that exports none.
+  (a working engine core), ``"frozen"`` ones never move and at least one request is always
+  running (an engine core hung with requests in it, whose API server still answers
+  ``/health``), ``"idle"`` ones never move and no request runs (what a probe sees when a load
+  balancer sends it to an idle replica while another one runs the gateway's requests); None
+  (the default): 404, like an engine that exports none.
 * ``model``, ``max_model_len``: what ``GET /v1/models`` reports and what the bodies are
   rendered with (prompt + max_tokens over the window: vLLM's 400).
 * ``script``: generate these token ids (repeated as needed) instead of the simulator's, with
@@ -413,9 +416,10 @@ class _Server:
         elif path == "/metrics" and self.cfg["metrics"]:
             self._advance()
             m = self.cfg["model"]
+            running = {"frozen": max(1, self.handling), "idle": 0}.get(self.cfg["metrics"], self.handling)
             text = (f'# HELP vllm:num_requests_running Number of requests in model execution batches.\n'
                     f'# TYPE vllm:num_requests_running gauge\n'
-                    f'vllm:num_requests_running{{engine="0",model_name="{m}"}} {float(self.handling)}\n'
+                    f'vllm:num_requests_running{{engine="0",model_name="{m}"}} {float(running)}\n'
                     f'# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n'
                     f'# TYPE vllm:prompt_tokens_total counter\n'
                     f'vllm:prompt_tokens_total{{engine="0",model_name="{m}"}} 300.0\n'

@@ -667,7 +667,10 @@ def test_a_hung_engine_core_that_still_answers_health_fails_its_samples_at_timeo
     only while vLLM's token counters in /metrics move: frozen, the sample fails at timeout_s
     (2 s, plus the probe it asks for), saying the core runs nothing. The same request on an
     engine whose counters move (a working core that takes 4 s for it) waits past timeout_s and
-    is served, token for token."""
+    is served, token for token; so it is when the probe finds counters that do not move on an
+    engine that holds no request (found by the fourth break test: HAProxy ``balance leastconn``
+    sent the probes to an idle replica while the other generated the sample, and the first
+    version failed it as hung)."""
     with FakeEngine(delay_s=60, metrics="frozen") as eng, \
             gateway(eng.url, timeout_s=2, max_request_s=30, connect_timeout_s=1) as s:
         api = Api(s.url)
@@ -684,11 +687,12 @@ def test_a_hung_engine_core_that_still_answers_health_fails_its_samples_at_timeo
             "have not moved since the gateway started: its engine core runs nothing (hung?)"), err
         assert 2.0 <= took < 8.0, took
         assert len(completions(eng)) == 1  # sent once, given up (its connection closed: vLLM aborts it)
-    with FakeEngine(delay_s=4, metrics="live") as eng, \
-            gateway(eng.url, timeout_s=2, max_request_s=30, connect_timeout_s=1) as s:
-        sample_all_exactly(s, 114, 1)
-        c = counters(s)
-        assert "failed_server" not in c and c["engine_waits_past_timeout"] == 1, c
+    for metrics in ("live", "idle"):
+        with FakeEngine(delay_s=4, metrics=metrics) as eng, \
+                gateway(eng.url, timeout_s=2, max_request_s=30, connect_timeout_s=1) as s:
+            sample_all_exactly(s, 114, 1)
+            c = counters(s)
+            assert "failed_server" not in c and c["engine_waits_past_timeout"] == 1, (metrics, c)
 
 
 def test_a_pinned_engine_model_the_engine_no_longer_serves_is_the_deployments_fault():

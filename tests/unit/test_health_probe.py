@@ -151,9 +151,11 @@ def test_a_slow_models_answer_does_not_hold_back_recovery() -> None:
 
 def test_progress_is_read_from_vllm_token_counters_and_a_stall_is_logged_once(monkeypatch, caplog):
     """After each reachable probe, GET /metrics: the sum of vLLM's token counters. The first
-    reading is no evidence (progress_at stays -inf); a reading that moved sets progress_at, which
-    on_ok receives; counters frozen while requests run are logged once as a hung core, and again
-    (INFO) when they move; an answer without the counters makes progress unknown (on_ok(None))."""
+    reading of an engine holding requests is no evidence (progress_at stays -inf); a reading that
+    moved sets progress_at, which on_ok receives; counters frozen while requests run are logged
+    once as a hung core, and again (INFO) when they move; frozen counters of an engine holding
+    no request count like a moving one (an idle replica behind a balancer); an answer without the
+    counters makes progress unknown (on_ok(None))."""
     import asyncio
     import logging
     import math
@@ -205,20 +207,25 @@ def test_progress_is_read_from_vllm_token_counters_and_a_stall_is_logged_once(mo
             state["tokens"] = 1300.0
             assert await probe.check_once() is True  # moving again: INFO
             assert probe.progress_at > moved
+            again = probe.progress_at
+            state["running"] = 0.0  # frozen but holding nothing (idle, or the idle replica behind a balancer)
+            t1 = time.monotonic()
+            assert await probe.check_once() is True and probe.progress_at >= t1  # counts, as /health did
+            assert got[5] == probe.progress_at
             state["metrics"] = False
             assert await probe.check_once() is True and probe.tokens is None
-            return got[:3] + [got[5]] + [moved]
+            return got[:3] + [got[6]] + [moved, again, got[4]]
         finally:
             await probe.close()
             server.close()
 
     with caplog.at_level(logging.INFO, logger="shardserver.health"):
-        first, second, third, last, moved = asyncio.run(asyncio.wait_for(main(), 30))
-    assert first == -math.inf and second == moved and third == moved and last is None
+        first, second, third, last, moved, again, fifth = asyncio.run(asyncio.wait_for(main(), 30))
+    assert first == -math.inf and second == moved and third == moved and last is None and fifth == again > moved
     hung = [r for r in caplog.records if "looks hung" in r.getMessage()]
     again = [r for r in caplog.records if "generates again" in r.getMessage()]
     assert len(hung) == 1 and hung[0].levelno == logging.WARNING, caplog.text
-    assert "reports 2 requests running but its token counters (vllm:generation_tokens_total, " \
+    assert "reports 2 requests running or waiting but its token counters (vllm:generation_tokens_total, " \
            "vllm:prompt_tokens_total in /metrics) have not moved" in hung[0].getMessage()
     assert len(again) == 1 and again[0].levelno == logging.INFO
 
@@ -234,6 +241,6 @@ def test_parse_engine_progress_sums_the_counters_and_knows_when_there_are_none()
             b'vllm:num_requests_running{engine="0"} 3.0 1700000000000\n'
             b'vllm:num_requests_waiting{engine="0"} 7.0\n'
             b'vllm:generation_tokens_total{broken 5\n')
-    assert parse_engine_progress(body) == (1300.0, 3.0)
+    assert parse_engine_progress(body) == (1300.0, 10.0)  # requests: running + waiting
     assert parse_engine_progress(b"vllm:num_requests_running 3.0\nhttp_requests_total 9\n") is None
     assert parse_engine_progress(b"") is None
