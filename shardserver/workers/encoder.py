@@ -192,6 +192,10 @@ SOCKET_CHECK_S = 5.0
 #: Each encoder counts the attempts it makes (the SDK's resubmissions go to any shard), so with S
 #: shards such a sample ends after about S times as many resubmissions.
 ABORT_ROUNDS = 3
+#: An abort streak (``EncoderCore._aborting_since``) ends when the engine answered nothing at all
+#: for this long, or half of ``engine.unavailable_budget_s`` if shorter (seconds): a quiet time
+#: (a trainer's step between rollouts) is no evidence that the engine went on aborting.
+ABORT_STREAK_GAP_S = 60.0
 #: Request contents whose aborts are remembered (the oldest is forgotten past this).
 ABORT_HISTORY_MAX = 4096
 #: Seconds between WARNING lines about futures answered 410 after their abort re-forwards.
@@ -318,9 +322,11 @@ class EncoderCore:
         self.cursor_tag = cursor_tag
         self.journal = journal
         # Monotonic time of the first ``finish_reason: abort`` since the engine's last answer that
-        # was not aborted (None: it answers). Past engine.unavailable_budget_s, a future out of
-        # abort re-forwards fails instead of answering 410 (which the SDK would resubmit forever).
+        # was not aborted, or since its last quiet time (ABORT_STREAK_GAP_S); None: it answers.
+        # Past engine.unavailable_budget_s, a future out of abort re-forwards fails instead of
+        # answering 410 (which the SDK would resubmit forever).
         self._aborting_since: float | None = None
+        self._answered_at = 0.0  # monotonic time of the engine's last answer, aborted or not (ABORT_STREAK_GAP_S)
         # Aborts per request content across its resubmissions (digest -> [monotonic time of the
         # first, aborts, self._finished when it came]), and engine answers that were not aborted:
         # see ABORT_ROUNDS. An entry goes when its content is answered, or past ABORT_HISTORY_MAX.
@@ -860,11 +866,13 @@ class EncoderCore:
                     # request's content: in a storm (a weight sync aborting all in flight), only
                     # the first abort does, so identical requests aborted together are not
                     # taken for one the engine singles out.
-                    if self._aborting_since is None:
+                    gap = min(ABORT_STREAK_GAP_S, self.cfg.engine.unavailable_budget_s / 2)
+                    if self._aborting_since is None or now - self._answered_at > gap:
                         self._aborting_since = now
                         history = self._note_abort(e.digest, now)
                     else:
                         history = self._abort_history.get(e.digest) if e.digest else None
+                    self._answered_at = now
                     ec = self.cfg.engine
                     if aborts > ec.max_abort_resubmits:
                         aborting_for = now - self._aborting_since
@@ -893,6 +901,7 @@ class EncoderCore:
                         return
                     continue
                 self._aborting_since = None
+                self._answered_at = time.monotonic()
                 self._finished += 1
                 if self._abort_history and e.digest:
                     self._abort_history.pop(e.digest, None)

@@ -630,6 +630,30 @@ def test_a_request_the_engine_aborts_every_time_fails_instead_of_looping_through
         assert warned and "the engine aborted future" in warned[0], s.log_lines[-20:]
 
 
+def test_an_abort_streak_ends_with_a_quiet_time_so_a_later_short_sync_fails_nothing():
+    """Found by the fourth break test: the shard's "aborting since" clock was reset only by an
+    answer that was not aborted. A future aborted engine.max_abort_resubmits + 1 times (410) and
+    then a quiet time longer than engine.unavailable_budget_s (a trainer's step between two
+    rollouts) left it running, so the next short abort burst (a weight sync) failed the next
+    sample at once, "aborted every request for" the whole quiet time. Now a streak ends after
+    min(ABORT_STREAK_GAP_S, budget / 2) without any answer: that sample answers 410 and its
+    resubmission is served."""
+    with FakeEngine() as eng, gateway(eng.url, unavailable_budget_s=2) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        eng.configure(abort=3)
+        rid, _ = submit(api, ssid, 118, 0)
+        assert retrieve(api, rid)[0] == 410
+        time.sleep(2.5)  # quiet: no engine answer at all
+        eng.configure(abort=3)
+        rid, _ = submit(api, ssid, 118, 1)
+        st, _, body = retrieve(api, rid)
+        assert st == 410, body  # before: 200 {"error": "engine at ... aborted every request for 2.5 s ..."}
+        rid, prompt = submit(api, ssid, 118, 2)  # the SDK's resubmission (the same as a new sample here)
+        assert_result(*retrieve(api, rid), prompt, 2)
+        assert "failed_server" not in counters(s)
+
+
 def test_identical_requests_aborted_together_in_storms_are_not_taken_for_one_singled_out():
     """The other side of the rule above: a weight sync aborts every request in flight, and an RL
     group often sends the same content several times (same prompt, no seed). 4 identical
