@@ -105,7 +105,8 @@ class ServerConfig:
         _check(self.liveness_timeout_s, "server.liveness_timeout_s",
                self.liveness_timeout_s == 0 or self.liveness_timeout_s >= 1, "must be 0 (off) or >= 1")
         _check(self.front_ends, "server.front_ends", 1 <= self.front_ends <= 256, "must be 1..256")
-        _check(self.backlog, "server.backlog", self.backlog >= 1, "must be >= 1")
+        _check(self.backlog, "server.backlog", 1 <= self.backlog <= 65535, "must be in 1..65535 (the kernel caps it at "
+               "net.core.somaxconn)")
         _check(self.keep_alive_s, "server.keep_alive_s", self.keep_alive_s > 0, "must be > 0")
         _check(self.max_request_bytes, "server.max_request_bytes", self.max_request_bytes >= 1024, "must be >= 1024")
         _check(self.graceful_shutdown_s, "server.graceful_shutdown_s", self.graceful_shutdown_s >= 0, "must be >= 0")
@@ -477,20 +478,30 @@ _REMOVED_KEYS = {
 }
 
 
+#: The longest duration any ``*_s`` key takes (seconds, ~31 years): past it the event loop's and
+#: the kernel's timers overflow ("timestamp too large"), and no bound here needs more.
+MAX_SECONDS = 1e9
+
+
 def _build_section(name: str, data: Mapping[str, Any]) -> Any:
-    """``[name]`` as its dataclass, or ConfigError naming ``name.key`` (unknown key, wrong type)."""
+    """``[name]`` as its dataclass, or ConfigError naming ``name.key`` (unknown key, wrong type,
+    a duration over :data:`MAX_SECONDS`)."""
     cls = _SECTIONS[name]
     for k in data:
         if f"{name}.{k}" in _REMOVED_KEYS:
             raise ConfigError(f"{name}.{k}", _REMOVED_KEYS[f"{name}.{k}"])
     try:
-        return cls(**check_fields(cls, data))
+        values = check_fields(cls, data)
     except FieldError as exc:
         key = f"{name}.{exc.key}"
         if exc.problem == "unknown":
             raise ConfigError(key, f"unknown key (known: {', '.join(sorted(exc.known))})") from None
         expected = "a finite number" if exc.kind.name == "float" else exc.kind.name
         raise ConfigError(key, f"expected {expected}, got {exc.value!r}") from None
+    for k, v in values.items():
+        if k.endswith("_s") and isinstance(v, float) and v > MAX_SECONDS:
+            raise ConfigError(f"{name}.{k}", f"must be at most {MAX_SECONDS:g} s (got {v!r})")
+    return cls(**values)
 
 
 def config_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None = None,

@@ -290,6 +290,12 @@ class EngineClient:
         self._life_at = -math.inf  # monotonic time of the engine's last answer to anything (see _timed)
         self._probe_at = -math.inf  # monotonic time of the last health probe that answered
         self._progress_known = False  # that probe read the engine's token counters (probe_ok)
+        # How long the engine may hold requests without its token counters moving before its
+        # /health answers stop counting as life (seconds): engine.unavailable_budget_s, the
+        # outage every sample rides out, and at least the life window.
+        self.stall_window_s = max(cfg.unavailable_budget_s, max(LIFE_WINDOW_S, 3 * cfg.health_interval_s))
+        self._stalled_for = 0.0  # seconds its counters had not moved at the last probe that did not count
+        self._stall_verdict_log_at = -math.inf  # monotonic time of the last WARNING about a hung verdict
         self.life_window_s = max(LIFE_WINDOW_S, 3 * cfg.health_interval_s)
         # Called at every engine answer (the encoder's EngineProbe.kick: a failed probe is re-run at once).
         self.on_answer: Callable[[], None] | None = None
@@ -359,17 +365,18 @@ class EngineClient:
 
         As a sign of life for attempts past ``engine.timeout_s`` (:meth:`_timed`): with
         ``progress_at`` None (the engine exports no token counters) the answer itself counts;
-        otherwise only the last time the engine's token counters moved (``progress_at``,
-        ``time.monotonic()`` seconds; see :mod:`shardserver.health`, "Progress"): an engine core
-        that is hung still answers ``/health``.
+        otherwise ``progress_at`` is the last time its token counters moved, or it held no
+        request (``time.monotonic()`` seconds; see :mod:`shardserver.health`, "Progress"), and
+        the answer counts while that is less than :attr:`stall_window_s` ago: an engine core that
+        is hung still answers ``/health``, and one paused for a while (a weight load with
+        requests queued) is not taken for hung.
         """
-        self._probe_at = time.monotonic()
-        if progress_at is None:
-            self._life_at = self._probe_at
-            self._progress_known = False
+        self._probe_at = now = time.monotonic()
+        self._progress_known = progress_at is not None
+        if progress_at is None or now - progress_at < self.stall_window_s:
+            self._life_at = now
         else:
-            self._life_at = max(self._life_at, progress_at)
-            self._progress_known = True
+            self._stalled_for = now - progress_at
         if self._retrying == 0 and time.monotonic() - self._last_failure >= PROBE_QUIET_S:
             self._end_outage()
 
@@ -662,12 +669,19 @@ class _AttemptClock:
             self.verdict = (f"engine timed out after {now - self.start:.1f} s (engine.max_request_s = "
                             f"{self.cap:g}): no answer to this request, though the engine answers others")
         elif c._progress_known and time.monotonic() - c._probe_at < c.life_window_s:
-            since = f"for {silent_s:.1f} s" if silent_s < math.inf else "since the gateway started"
+            stalled = c._stalled_for
+            since = f"for {stalled:.1f} s" if stalled < math.inf else "since the gateway started"
             self.verdict = (f"engine timed out after {now - self.start:.1f} s (engine.timeout_s = "
                             f"{cfg.timeout_s:g}): no answer to this request or any other, and though "
-                            f"the engine answers GET /health, its token counters (vllm:generation_tokens_total, "
-                            f"vllm:prompt_tokens_total in /metrics) have not moved {since}: its engine core "
-                            f"runs nothing (hung?)")
+                            f"the engine answers GET /health, it holds requests and its token counters "
+                            f"(vllm:generation_tokens_total, vllm:prompt_tokens_total in /metrics) have not "
+                            f"moved {since}: its engine core runs nothing (hung?)")
+            if time.monotonic() - c._stall_verdict_log_at >= LIFE_WINDOW_S:
+                c._stall_verdict_log_at = time.monotonic()
+                log.warning("engine at %s: giving up engine calls waiting past engine.timeout_s = %g s: it answers "
+                            "GET /health but holds requests with token counters unmoved %s (its engine core "
+                            "looks hung; engine calls fail until it generates again)", c.display_url,
+                            cfg.timeout_s, since)
         else:
             since = f"for {silent_s:.1f} s" if silent_s < math.inf else "since the gateway started"
             self.verdict = (f"engine timed out after {now - self.start:.1f} s (engine.timeout_s = "

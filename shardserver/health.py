@@ -37,8 +37,10 @@ dead). So each successful probe also reads ``GET {engine.url}/metrics``: vLLM's 
 (:data:`PROGRESS_COUNTERS`, which move at every engine step that prefills or decodes anything)
 and the requests it runs or holds waiting (:data:`BUSY_GAUGES`). For the engine calls waiting
 past ``engine.timeout_s`` (:meth:`shardserver.engine_client.EngineClient.probe_ok`) a probe
-then counts as a sign of life unless the engine holds requests and its counters did not move:
-only an engine *stuck* on requests loses the benefit of its ``/health``. An idle engine still
+then counts as a sign of life unless the engine has held requests with counters that did not
+move for ``engine.unavailable_budget_s`` (at least the life window): only an engine *stuck* on
+requests loses the benefit of its ``/health``, and a pause (a weight load with requests queued)
+shorter than that does not. An idle engine still
 counts (behind a load balancer the probe may reach an idle replica while another one runs this
 encoder's requests), and so does one without the counters (a router, a proxy, vLLM with
 ``--disable-log-stats``, the bundled simulator), as before. An engine that holds requests with
@@ -386,7 +388,8 @@ class EngineProbe:
             self._stall_logged = True
             log.warning("encoder %d: engine at %s reports %g requests running or waiting but its token counters (%s in "
                         "/metrics) have not moved for %.0f s: its engine core looks hung, though GET /health "
-                        "answers; engine calls waiting on it fail after engine.timeout_s", self.shard,
+                        "answers; once this lasts engine.unavailable_budget_s, engine calls waiting past "
+                        "engine.timeout_s fail", self.shard,
                         self.display_base, running, ", ".join(c.decode() for c in PROGRESS_COUNTERS), still)
 
     async def _learn_models(self) -> None:

@@ -707,8 +707,10 @@ def test_a_hung_engine_core_that_still_answers_health_fails_its_samples_at_timeo
         assert st == 200 and err["category"] == "server", err
         assert err["error"].startswith("engine timed out after ") and err["error"].endswith(
             "(engine.timeout_s = 2): no answer to this request or any other, and though the engine answers "
-            "GET /health, its token counters (vllm:generation_tokens_total, vllm:prompt_tokens_total in /metrics) "
-            "have not moved since the gateway started: its engine core runs nothing (hung?)"), err
+            "GET /health, it holds requests and its token counters (vllm:generation_tokens_total, "
+            "vllm:prompt_tokens_total in /metrics) have not moved since the gateway started: its engine core "
+            "runs nothing (hung?)"), err
+        assert any("giving up engine calls waiting past engine.timeout_s" in ln for ln in s.log_lines)
         assert 2.0 <= took < 8.0, took
         assert len(completions(eng)) == 1  # sent once, given up (its connection closed: vLLM aborts it)
     for metrics in ("live", "idle"):

@@ -1328,3 +1328,30 @@ def test_an_engine_attempt_leaves_no_reference_cycle() -> None:
         return freed
 
     assert run(main()) == [0, 0, 0]
+
+
+def test_a_probe_counts_as_life_until_the_engine_held_requests_unmoved_for_the_stall_window():
+    """EngineClient.probe_ok(progress_at): a /health answer counts as a sign of life while the
+    engine's token counters moved (or it held no request) less than stall_window_s ago, which is
+    engine.unavailable_budget_s and at least the 60 s life window. Found by the fourth break test:
+    the first version used the 60 s window, so an engine paused for 75 s with requests queued (a
+    weight load) failed every sample already past engine.timeout_s. Unknown progress (no
+    counters) always counts."""
+    import math
+    import time
+
+    from shardserver.engine_client import EngineClient
+
+    client = EngineClient(EngineConfig(unavailable_budget_s=300), "http://127.0.0.1:9")
+    assert client.stall_window_s == 300
+    assert EngineClient(EngineConfig(unavailable_budget_s=20), "http://127.0.0.1:9").stall_window_s == 60
+    now = time.monotonic()
+    client.probe_ok(now - 75)  # paused 75 s: still alive
+    assert client._life_at >= now
+    client._life_at = -math.inf
+    client.probe_ok(now - 301)  # stuck past the window: no life from this probe
+    assert client._life_at == -math.inf and client._stalled_for >= 301
+    client.probe_ok(-math.inf)  # stuck since the first reading
+    assert client._life_at == -math.inf and client._stalled_for == math.inf
+    client.probe_ok(None)  # no counters: the answer counts
+    assert client._life_at >= now

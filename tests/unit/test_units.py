@@ -95,6 +95,22 @@ def test_a_non_finite_number_is_refused_naming_the_key(key, how, tmp_path):
                                   else f"expected a finite number, got {how.split()[1]!r}"), str(ei.value)
 
 
+@pytest.mark.parametrize("env,key,message", [
+    ({"SHARDSERVER_SHARDS__READY_TIMEOUT_S": "1e300"}, "shards.ready_timeout_s", "must be at most 1e+09 s (got 1e+300)"),
+    ({"SHARDSERVER_FUTURES__LONG_POLL_S": "2e9"}, "futures.long_poll_s", "must be at most 1e+09 s (got 2000000000.0)"),
+    ({"SHARDSERVER_SERVER__BACKLOG": "10000000000"}, "server.backlog",
+     "must be in 1..65535 (the kernel caps it at net.core.somaxconn) (got 10000000000)"),
+])
+def test_a_value_that_would_overflow_at_start_is_refused_naming_the_key(env, key, message):
+    """Found by the fourth break test: ``shards.ready_timeout_s = 1e300`` and ``server.backlog =
+    1e10`` passed validation, then stopped the gateway at start with a raw OverflowError
+    (``timestamp too large``, ``sock.listen``). Durations are capped at MAX_SECONDS, the backlog
+    at 65535."""
+    with pytest.raises(ConfigError) as ei:
+        config_from_mapping({}, env=env)
+    assert ei.value.key == key and str(ei.value).endswith(message), str(ei.value)
+
+
 def test_max_request_s_follows_a_long_timeout_unless_set():
     """Found by a break test: ``engine.max_request_s`` (new, must be >= ``engine.timeout_s``) with a
     fixed 4 h default refused a config that only set ``timeout_s = 20000``. Its default, 0, is
