@@ -84,6 +84,20 @@ def sample_all_exactly(s: RunningServer, first: int, count: int) -> None:
         assert_result(*retrieve(api, rid), prompt, i)
 
 
+def server_failure(s: RunningServer, first: int, seq: int) -> tuple[dict, float]:
+    """One sample (:func:`submit`) retrieved until final, which must be a failure of category
+    server: ``({"error", "category"}, seconds from submit to that answer)``."""
+    api = Api(s.url)
+    ssid = api.sampling_session()
+    t0 = time.monotonic()
+    rid, _ = submit(api, ssid, first, seq)
+    st, _, body = retrieve(api, rid)
+    took = time.monotonic() - t0
+    err = json.loads(body)
+    assert st == 200 and err["category"] == "server", err
+    return err, took
+
+
 def counters(s: RunningServer) -> dict[str, int]:
     """The encoders' counters, summed over shards."""
     out: dict[str, int] = {}
@@ -558,14 +572,7 @@ def test_a_request_the_engine_never_answers_fails_at_timeout_s_when_silent_else_
     by engine.connect_timeout_s = 1 s), hears nothing, and the sample fails, saying nothing answered."""
     with FakeEngine(delay_s=60) as eng:
         with gateway(eng.url, timeout_s=1, max_request_s=3) as s:
-            api = Api(s.url)
-            ssid = api.sampling_session()
-            t0 = time.monotonic()
-            rid, _ = submit(api, ssid, 110, 0)
-            st, h, body = retrieve(api, rid)
-            took = time.monotonic() - t0
-            err = json.loads(body)
-            assert st == 200 and err["category"] == "server", err
+            err, took = server_failure(s, 110, 0)
             assert err["error"].startswith("engine timed out after 3.") and err["error"].endswith(
                 "(engine.max_request_s = 3): no answer to this request, though the engine answers others"), err
             assert 3.0 <= took < 6.0, took
@@ -697,14 +704,7 @@ def test_a_hung_engine_core_that_still_answers_health_fails_its_samples_at_timeo
     version failed it as hung)."""
     with FakeEngine(delay_s=60, metrics="frozen") as eng, \
             gateway(eng.url, timeout_s=2, max_request_s=30, connect_timeout_s=1) as s:
-        api = Api(s.url)
-        ssid = api.sampling_session()
-        t0 = time.monotonic()
-        rid, _ = submit(api, ssid, 114, 0)
-        st, h, body = retrieve(api, rid)
-        took = time.monotonic() - t0
-        err = json.loads(body)
-        assert st == 200 and err["category"] == "server", err
+        err, took = server_failure(s, 114, 0)
         assert err["error"].startswith("engine timed out after ") and err["error"].endswith(
             "(engine.timeout_s = 2): no answer to this request or any other, and though the engine answers "
             "GET /health, it holds requests and its token counters (vllm:generation_tokens_total, "
