@@ -1405,8 +1405,9 @@ class EncoderProc:
                            engine_probe=probe, journal=journal, cursor_tag=cursor_tag(run_id))
         if taken:
             n = core.restore(taken)
-            log.warning("encoder %d: %d futures were in flight when its predecessor stopped; their sessions' "
-                        "pollers will get them as failed (retrieve_future answers 410: the SDK resubmits)", shard, n)
+            log.warning("encoder %d: %d futures were in flight when its predecessor stopped, or lost at an earlier "
+                        "restart and not reported yet; their sessions' pollers will get them as failed "
+                        "(retrieve_future answers 410: the SDK resubmits)", shard, n)
         engine.counters = core.counters  # retry counters reach /stats and /metrics
         probe.start()  # the first probe runs at once; /readyz waits for it
         try:
