@@ -5,11 +5,13 @@ Uses ``prometheus_client`` in multiprocess mode: the supervisor creates
 spawns any child (:func:`shardserver.prometheus_dir.prepare_prometheus_dir`); every child process then
 keeps its counters and histograms in small mmap files there, and the
 front-end answering a scrape merges all of them
-(``MultiProcessCollector``). The files of a dead child are kept, so totals
-never go backwards when a worker is restarted; the directory goes with the run
-directory at shutdown, and run directories of dead supervisors are removed at
-the next start. :func:`shardserver.prometheus_dir.mark_process_dead` is called for every child that exits (it
-drops the files of live-mode gauges: ``shardserver_connections_open``).
+(``MultiProcessCollector``). The counts of a dead child are kept, folded into
+the run's ``*_dead.db`` files, so totals never go backwards when a worker is
+restarted and the directory does not grow with restarts; the directory goes with
+the run directory at shutdown, and run directories of dead supervisors are
+removed at the next start. :func:`shardserver.prometheus_dir.mark_process_dead`
+is called for every child that exits (it drops the files of live-mode gauges:
+``shardserver_connections_open``, and folds the rest).
 
 Gauges that describe a shard's *current* state (futures by stage, arena
 bytes, engine reachability) are not kept in files: the front-end asks every
@@ -39,7 +41,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Iterable
 
-from .prometheus_dir import MULTIPROC_ENV, prometheus_dir, use_cached_pid
+from .prometheus_dir import MULTIPROC_ENV, files_lock, prometheus_dir, use_cached_pid
 
 use_cached_pid()  # before the first metric below is created
 
@@ -542,7 +544,9 @@ def render(shard_replies: list[dict[str, Any]]) -> bytes:
 
     registry = CollectorRegistry(auto_describe=False)
     MultiProcessCollector(registry, path=d)
-    return generate_latest(registry) + generate_latest(gauges)
+    with files_lock(d, shared=True):  # no dead process's files folded meanwhile
+        text = generate_latest(registry)
+    return text + generate_latest(gauges)
 
 
 RECONNECT_GRACE_S = 0.6

@@ -372,6 +372,10 @@ def test_counts_survive_an_encoder_restart(gw):
     assert total(m, "shardserver_worker_restarts_total", role="encoder") == 1
     assert total(m, "shardserver_results_completed_total") == completed  # the dead encoder's counts are kept
     assert m[("shardserver_futures", (("shard", "0"), ("stage", "retrieved")))] == 0  # its futures are gone
+    # ... folded into the run's files of dead processes: none of the dead encoder's files is left.
+    (metrics_dir,) = glob.glob(f"/tmp/shardserver-run-{gw.proc.pid}-*/metrics")
+    names = {os.path.basename(f) for f in glob.glob(os.path.join(metrics_dir, "*.db"))}
+    assert {"counter_dead.db", "histogram_dead.db"} <= names and not any(f"_{pid}.db" in n for n in names), names
 
 
 # -- readiness ---------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ call per metric update), and a forked child still writes files of its own."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,3 +42,44 @@ def test_metric_values_use_the_cached_pid_and_a_forked_child_gets_its_own_file(t
     reg = CollectorRegistry()
     MultiProcessCollector(reg, path=str(tmp_path))
     assert reg.get_sample_value("t_updates_total", {"k": "x"}) == 1000.0 + 5.0 + 100.0
+
+
+def test_a_dead_process_s_counts_are_folded_without_changing_a_scrape(tmp_path):
+    """Found by the third break test: every worker restart left its counter and histogram files
+    (kept so totals never go backwards), 2 more files per encoder restart, all read by every
+    scrape. mark_process_dead now folds them into ``<type>_dead.db`` under the directory's lock:
+    the scrape's sums are the same before and after, only the live process's files and the
+    folded ones remain, and folding a second dead process adds to the first's."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.mmap_dict import MmapedDict
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from shardserver.prometheus_dir import fold_dead_process
+
+    def key(name: str, labels: dict) -> str:
+        return json.dumps([name, name + "_total", labels, "help"], sort_keys=True)
+
+    def write(typ: str, pid, values: dict) -> None:
+        m = MmapedDict(str(tmp_path / f"{typ}_{pid}.db"))
+        for k, v in values.items():
+            m.write_value(k, v, 0.0)
+        m.close()
+
+    def scrape() -> bytes:
+        registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(registry, path=str(tmp_path))
+        return generate_latest(registry)
+
+    a, b = key("shardserver_x", {"shard": "0"}), key("shardserver_x", {"shard": "1"})
+    write("counter", 101, {a: 3.0, b: 1.0})  # dead
+    write("counter", 102, {a: 5.0})  # dead
+    write("counter", 103, {a: 7.0, b: 2.0})  # alive
+    before = scrape()
+    assert b'shardserver_x_total{shard="0"} 15.0' in before and b'shardserver_x_total{shard="1"} 3.0' in before
+    assert fold_dead_process(101, str(tmp_path)) == 1
+    assert fold_dead_process(102, str(tmp_path)) == 1
+    assert fold_dead_process(104, str(tmp_path)) == 0  # no files: nothing to do
+    assert scrape() == before
+    assert sorted(p.name for p in tmp_path.glob("*.db")) == ["counter_103.db", "counter_dead.db"]
+    folded = {k: v for k, v, _t, _p in MmapedDict.read_all_values_from_file(str(tmp_path / "counter_dead.db"))}
+    assert folded == {a: 8.0, b: 1.0}
