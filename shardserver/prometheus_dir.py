@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import time
 from typing import Iterator
 
 __all__ = ["MULTIPROC_ENV", "prepare_prometheus_dir", "prometheus_dir", "mark_process_dead", "use_cached_pid",
@@ -107,33 +108,78 @@ def mark_process_dead(pid: int | None) -> None:
         log.debug("mark_process_dead(%s): %s", pid, exc)
     try:
         fold_dead_process(pid, d)
+    except LockBusy as exc:  # folded at the next restart
+        log.info("metrics of dead process %s not folded yet: %s", pid, exc)
     except (OSError, ValueError) as exc:  # its files stay: counted as before, one more file each
         log.warning("metrics of dead process %s not folded (%s): its files stay", pid, exc)
 
 
+#: How long :func:`fold_dead_process` tries to take the lock (seconds) before it leaves the files
+#: for a later fold: a scrape holds it for milliseconds, but a front-end stopped mid-scrape
+#: (SIGSTOP, a hang the supervisor is about to find) must not stop the supervisor.
+FOLD_LOCK_WAIT_S = 0.5
+
+
+class LockBusy(OSError):
+    """The directory's lock was not free within :data:`FOLD_LOCK_WAIT_S`."""
+
+
 @contextlib.contextmanager
-def files_lock(d: str, shared: bool) -> Iterator[None]:
+def files_lock(d: str, shared: bool, wait_s: float | None = None) -> Iterator[None]:
     """Hold the multiprocess directory's lock (:data:`LOCK_NAME`, ``flock``): shared while a
     scrape reads the files, exclusive while :func:`fold_dead_process` moves values between them,
     so a scrape never sees a value twice or not at all (which Prometheus would read as a
-    counter reset), nor a file that vanished between its listing and its read."""
+    counter reset), nor a file that vanished between its listing and its read. With ``wait_s``
+    (seconds), :class:`LockBusy` when the lock is not free by then; else it waits."""
     fd = os.open(os.path.join(d, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        if wait_s is None:
+            fcntl.flock(fd, mode)
+        else:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise LockBusy(f"{LOCK_NAME} held for over {wait_s:g} s (a scrape in progress)") from None
+                    time.sleep(0.01)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _dead_pids(d: str) -> set[int]:
+    """Pids of the summed-type files in ``d`` whose process no longer exists (files of dead
+    processes a busy lock kept from being folded when they died)."""
+    out = set()
+    for name in os.listdir(d):
+        typ, _, rest = name.partition("_")
+        pid = rest[:-3] if rest.endswith(".db") else ""
+        if typ in _SUMMED_TYPES and pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                out.add(int(pid))
+            except OSError:  # exists (another user's): not ours to judge
+                pass
+    return out
 
 
 def fold_dead_process(pid: int, d: str | None = None) -> int:
     """Add the values of a dead process's ``counter_<pid>.db``, ``histogram_<pid>.db`` and
     ``summary_<pid>.db`` (``prometheus_client``'s multiprocess files in ``d``, default this
     process's directory) to ``<type>_dead.db`` and remove them, under the exclusive
-    :func:`files_lock`. The sums a scrape reports do not change; without this, every worker
-    restart left two more files that every scrape reads (a crash loop, one restart per 30 s:
-    ~5,800 a day). Returns how many files were folded.
+    :func:`files_lock`; so too the files of any other process that no longer exists (left by
+    an earlier fold that found the lock busy). The sums a scrape reports do not change; without
+    this, every worker restart left two more files that every scrape reads (a crash loop, one
+    restart per 30 s: ~5,800 a day). Returns how many files were folded.
 
     Raises:
+        LockBusy: a scrape held the lock for over :data:`FOLD_LOCK_WAIT_S` (the files stay, and
+            are folded by the next call).
         OSError: a file could not be read, written or removed (the scrape sums stay right: the
             dead file is removed only after its values were added).
     """
@@ -143,21 +189,28 @@ def fold_dead_process(pid: int, d: str | None = None) -> int:
     from prometheus_client.mmap_dict import MmapedDict
 
     n = 0
-    with files_lock(d, shared=False):
-        for typ in _SUMMED_TYPES:
-            src = os.path.join(d, f"{typ}_{pid}.db")
-            if not os.path.exists(src):
-                continue
-            values = MmapedDict.read_all_values_from_file(src)
-            folded = MmapedDict(os.path.join(d, f"{typ}_{FOLDED_PID}.db"))
-            try:
-                for key, value, timestamp, _pos in values:
-                    total, _ = folded.read_value(key)
-                    folded.write_value(key, total + value, timestamp)
-            finally:
-                folded.close()
-            os.unlink(src)
-            n += 1
+    with files_lock(d, shared=False, wait_s=FOLD_LOCK_WAIT_S):
+        for dead in sorted({pid} | _dead_pids(d)):
+            n += _fold(d, dead, MmapedDict)
+    return n
+
+
+def _fold(d: str, pid: int, mmaped_dict: type) -> int:
+    n = 0
+    for typ in _SUMMED_TYPES:
+        src = os.path.join(d, f"{typ}_{pid}.db")
+        if not os.path.exists(src):
+            continue
+        values = mmaped_dict.read_all_values_from_file(src)
+        folded = mmaped_dict(os.path.join(d, f"{typ}_{FOLDED_PID}.db"))
+        try:
+            for key, value, timestamp, _pos in values:
+                total, _ = folded.read_value(key)
+                folded.write_value(key, total + value, timestamp)
+        finally:
+            folded.close()
+        os.unlink(src)
+        n += 1
     return n
 
 
