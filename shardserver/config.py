@@ -158,10 +158,11 @@ class EngineConfig:
     # One engine request, from the moment it has a connection slot (waiting for one not included):
     # past this it is given up (fails, category server) unless the engine shows it is alive: an
     # answer to another request or to a health probe (engine.health_interval_s) within the last
-    # max(60 s, 3 x health_interval_s); a probe counts only while vLLM's token counters in its
-    # /metrics move, when it exports them (a hung engine core still answers /health). A live engine is running it or has it queued (vLLM's
-    # scheduler runs max_num_seqs at once; a 32k-token generation alone can take longer than
-    # this): it keeps waiting, up to max_request_s.
+    # max(60 s, 3 x health_interval_s); a probe stops counting once the engine has held requests
+    # with vLLM's token counters in its /metrics unmoved for unavailable_budget_s (a hung engine
+    # core still answers /health). A live engine is running it or has it queued (vLLM's scheduler
+    # runs max_num_seqs at once; a 32k-token generation alone can take longer than this): it
+    # keeps waiting, up to max_request_s.
     timeout_s: float = 900.0
     # Longest wait for one engine request however alive the engine is (a request stuck in an engine
     # that answers everything else); >= timeout_s. 0 (the default): max(4 h, timeout_s), see

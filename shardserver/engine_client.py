@@ -293,10 +293,10 @@ class EngineClient:
         # How long the engine may hold requests without its token counters moving before its
         # /health answers stop counting as life (seconds): engine.unavailable_budget_s, the
         # outage every sample rides out, and at least the life window.
-        self.stall_window_s = max(cfg.unavailable_budget_s, max(LIFE_WINDOW_S, 3 * cfg.health_interval_s))
+        self.life_window_s = max(LIFE_WINDOW_S, 3 * cfg.health_interval_s)
+        self.stall_window_s = max(cfg.unavailable_budget_s, self.life_window_s)
         self._stalled_for = 0.0  # seconds its counters had not moved at the last probe that did not count
         self._stall_verdict_log_at = -math.inf  # monotonic time of the last WARNING about a hung verdict
-        self.life_window_s = max(LIFE_WINDOW_S, 3 * cfg.health_interval_s)
         # Called at every engine answer (the encoder's EngineProbe.kick: a failed probe is re-run at once).
         self.on_answer: Callable[[], None] | None = None
         # A probe to run now (the encoder's EngineProbe.check_life) when an attempt passes

@@ -40,8 +40,7 @@ past ``engine.timeout_s`` (:meth:`shardserver.engine_client.EngineClient.probe_o
 then counts as a sign of life unless the engine has held requests with counters that did not
 move for ``engine.unavailable_budget_s`` (at least the life window): only an engine *stuck* on
 requests loses the benefit of its ``/health``, and a pause (a weight load with requests queued)
-shorter than that does not. An idle engine still
-counts (behind a load balancer the probe may reach an idle replica while another one runs this
+shorter than that does not. An idle engine still counts (behind a load balancer the probe may reach an idle replica while another one runs this
 encoder's requests), and so does one without the counters (a router, a proxy, vLLM with
 ``--disable-log-stats``, the bundled simulator), as before. An engine that holds requests with
 counters that have not moved for :data:`STALL_LOG_S` is logged once as stalled (WARNING; INFO
@@ -99,7 +98,7 @@ def parse_engine_progress(body: bytes) -> tuple[float, float] | None:
     :data:`BUSY_GAUGES` (requests it runs or holds waiting; 0 when absent). None when neither
     counter is there (not vLLM, or vLLM with ``--disable-log-stats``). Series whose value is not
     a finite number are skipped; label values may hold spaces and braces (they are quoted)."""
-    tokens = running = 0.0
+    tokens = requests = 0.0
     seen = False
     for line in body.split(b"\n"):
         if not line.startswith(b"vllm:"):
@@ -132,8 +131,8 @@ def parse_engine_progress(body: bytes) -> tuple[float, float] | None:
             tokens += value
             seen = True
         else:
-            running += value
-    return (tokens, running) if seen else None
+            requests += value
+    return (tokens, requests) if seen else None
 
 
 class EngineProbe:
@@ -249,9 +248,9 @@ class EngineProbe:
             except asyncio.TimeoutError:
                 pass
 
-    async def _get(self, models: bool, metrics: bool = False) -> tuple[int, bytes]:
-        """``GET /health`` (or ``/v1/models``, or with ``metrics`` ``/metrics``) on a connection
-        of its own, within ``timeout_s``: (status, body).
+    async def _get(self, what: str = "health") -> tuple[int, bytes]:
+        """``GET /health`` (``what``: ``"models"`` for ``/v1/models``, ``"metrics"`` for
+        ``/metrics``) on a connection of its own, within ``timeout_s``: (status, body).
 
         Raises:
             asyncio.TimeoutError: no complete answer within ``timeout_s`` seconds.
@@ -267,7 +266,7 @@ class EngineProbe:
                 async with asyncio.timeout(self.timeout_s):
                     status, body, _ = await pool.post(
                         b"", self._headers or {}, limit=PROBE_BODY_LIMIT, fresh=True, method="GET",
-                        target=self._metrics_target if metrics else self._models_target if models else None)
+                        target={"models": self._models_target, "metrics": self._metrics_target}.get(what))
             except BodyTooLarge:
                 raise OSError(_TOO_LARGE) from None
             except (ConnectFailed, Broken, BadResponse) as exc:
@@ -281,7 +280,7 @@ class EngineProbe:
         import aiohttp
 
         try:
-            return await self._get_aiohttp(self.metrics_url if metrics else self.models_url if models else self.url)
+            return await self._get_aiohttp({"models": self.models_url, "metrics": self.metrics_url}.get(what, self.url))
         except aiohttp.ClientResponseError as exc:
             raise OSError(f"not an HTTP/1.1 answer: {exc.message}") from None
 
@@ -311,7 +310,7 @@ class EngineProbe:
         if self.interval_s > 0:
             return await self.check_once()
         try:
-            status, _ = await self._get(models=False)
+            status, _ = await self._get()
             ok = status < 500
         except (asyncio.TimeoutError, *self._errors):
             ok = False
@@ -323,7 +322,7 @@ class EngineProbe:
         """Probe once and record the result; returns whether the engine is reachable."""
         assert self._session is not None or self._pool is not None, "EngineProbe.start() was not called"
         try:
-            status, _ = await self._get(models=False)
+            status, _ = await self._get()
             if status >= 500:
                 ok, reason = False, f"engine answered GET {self.display_url} with HTTP {status}"
             else:
@@ -358,7 +357,7 @@ class EngineProbe:
         progress unknown (:attr:`tokens` None: the probe alone counts again), so a counter that
         could not be read is never taken for one that stopped."""
         try:
-            status, body = await self._get(models=False, metrics=True)
+            status, body = await self._get("metrics")
         except (asyncio.TimeoutError, *self._errors):
             status, body = 0, b""
         parsed = parse_engine_progress(body) if status == 200 else None
@@ -366,12 +365,12 @@ class EngineProbe:
         if parsed is None:
             self.tokens, self.progress_at, self._stall_logged = None, -math.inf, False
             return
-        tokens, running = parsed
+        tokens, requests = parsed
         first, moved = self.tokens is None, tokens != self.tokens
         self.tokens = tokens
         if first:
             self._tokens_since = now
-        if running == 0 or (moved and not first):
+        if requests == 0 or (moved and not first):
             # Generating, or holding no request at all: nothing stuck in it (behind a load
             # balancer the probe may reach an idle replica while another runs this encoder's
             # requests), so the answer counts as a probe's always did.
@@ -390,14 +389,14 @@ class EngineProbe:
                         "/metrics) have not moved for %.0f s: its engine core looks hung, though GET /health "
                         "answers; once this lasts engine.unavailable_budget_s, engine calls waiting past "
                         "engine.timeout_s fail", self.shard,
-                        self.display_base, running, ", ".join(c.decode() for c in PROGRESS_COUNTERS), still)
+                        self.display_base, requests, ", ".join(c.decode() for c in PROGRESS_COUNTERS), still)
 
     async def _learn_models(self) -> None:
         """``GET /v1/models``: learn each served model's context window (``max_model_len``), again
         at every probe, so a restart with another model or ``--max-model-len`` is noticed. An
         engine without the endpoint (some routers) or without the field keeps what was learned."""
         try:
-            status, body = await self._get(models=True)
+            status, body = await self._get("models")
             if status != 200:
                 return
             models = parse_model_windows(body)

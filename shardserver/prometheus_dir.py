@@ -94,8 +94,8 @@ def mark_process_dead(pid: int | None) -> None:
     """Bookkeeping for a child that exited: drop its live-mode gauge files, and fold its
     counter, histogram and summary files into the run's files of dead processes
     (:func:`fold_dead_process`), so totals stay monotonic across worker restarts while the
-    directory holds a bounded number of files however often workers restart. Errors are logged
-    (WARNING for a fold, debug otherwise), never raised.
+    directory holds a bounded number of files however often workers restart. Errors are logged,
+    never raised (a fold that finds the lock busy is left to the next one).
     """
     d = prometheus_dir()
     if d is None or pid is None:
@@ -186,32 +186,31 @@ def fold_dead_process(pid: int, d: str | None = None) -> int:
     d = d or prometheus_dir()
     if d is None:
         return 0
-    from prometheus_client.mmap_dict import MmapedDict
-
     n = 0
     with files_lock(d, shared=False, wait_s=FOLD_LOCK_WAIT_S):
         for dead in sorted({pid} | _dead_pids(d)):
-            n += _fold(d, dead, MmapedDict)
+            for typ in _SUMMED_TYPES:
+                src = os.path.join(d, f"{typ}_{dead}.db")
+                if os.path.exists(src):
+                    _fold_file(src, os.path.join(d, f"{typ}_{FOLDED_PID}.db"))
+                    n += 1
     return n
 
 
-def _fold(d: str, pid: int, mmaped_dict: type) -> int:
-    n = 0
-    for typ in _SUMMED_TYPES:
-        src = os.path.join(d, f"{typ}_{pid}.db")
-        if not os.path.exists(src):
-            continue
-        values = mmaped_dict.read_all_values_from_file(src)
-        folded = mmaped_dict(os.path.join(d, f"{typ}_{FOLDED_PID}.db"))
-        try:
-            for key, value, timestamp, _pos in values:
-                total, _ = folded.read_value(key)
-                folded.write_value(key, total + value, timestamp)
-        finally:
-            folded.close()
-        os.unlink(src)
-        n += 1
-    return n
+def _fold_file(src: str, dst: str) -> None:
+    """Add every value of the multiprocess file ``src`` to ``dst`` (created when missing), then
+    remove ``src``."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    values = MmapedDict.read_all_values_from_file(src)
+    folded = MmapedDict(dst)
+    try:
+        for key, value, timestamp, _pos in values:
+            total, _ = folded.read_value(key)
+            folded.write_value(key, total + value, timestamp)
+    finally:
+        folded.close()
+    os.unlink(src)
 
 
 _own_files: list[str] = []

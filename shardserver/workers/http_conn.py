@@ -576,12 +576,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         front-end stopped for longer than the hold between its check and its send.
         """
         guard = self.arena_guard
-        private = False
+        private = guard is not None and self._limits.private_arena_copy
         if guard is not None:
             reader, offset, generation = guard
             t0 = time.monotonic()
-            if self._limits.private_arena_copy:
-                data, private = memoryview(bytes(data)), True  # the copy, then the check (seqlock order)
+            if private:
+                data = memoryview(bytes(data))  # the copy, then the check (seqlock order)
             if not reader.valid(offset, generation):
                 self.arena_cut = True
                 return
@@ -594,7 +594,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 sent = 0
         if sent < len(data):
             t.write(data[sent:] if private else bytes(data[sent:]))
-        if guard is not None and not private and time.monotonic() - t0 > ARENA_READ_HOLD_S / 2 and not reader.valid(offset, generation):
+        if guard is not None and not private and time.monotonic() - t0 > ARENA_READ_HOLD_S / 2 \
+                and not reader.valid(offset, generation):
             self.arena_cut = True
 
     def closed(self) -> bool:
