@@ -92,6 +92,12 @@ class StartupError(RuntimeError):
     """A child failed to start (it exited, or did not report READY in time)."""
 
 
+class _StopDuringStart(Exception):
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) arrived before every child was READY: the start is
+    abandoned, and the gateway never says it is ready (a wrapper waiting for that line would
+    take a stopping gateway for a serving one)."""
+
+
 @dataclass
 class ChildSpec:
     role: str           # "encoder", "front-end", "engine-sim"
@@ -298,6 +304,11 @@ class Supervisor:
     def request_stop(self) -> None:
         self._signals.append(signal.SIGTERM)
 
+    def _stop_if_asked(self) -> None:
+        """Raise :class:`_StopDuringStart` when a stop signal arrived (called while starting)."""
+        if self._signals:
+            raise _StopDuringStart()
+
     # -- children ------------------------------------------------------------------------
     def _sock_path(self, shard: int) -> str:
         return os.path.join(self.run_dir, f"enc-{shard}.sock")
@@ -363,6 +374,7 @@ class Supervisor:
         deadline = time.monotonic() + self.cfg.shards.ready_timeout_s
         url = self.engine_url + "/v1/models"
         while True:
+            self._stop_if_asked()
             if not self.sim.proc.is_alive():
                 raise StartupError(f"the engine simulator exited with code {self.sim.proc.exitcode} during start")
             try:
@@ -406,7 +418,8 @@ class Supervisor:
                 if left <= 0:
                     raise StartupError(f"{spec.name} did not report READY within {self.cfg.shards.ready_timeout_s} s "
                                        "(shards.ready_timeout_s)")
-                ready = mpc.wait([conn, spec.proc.sentinel], timeout=left)
+                ready = mpc.wait([conn, spec.proc.sentinel], timeout=min(left, _SUPERVISE_WAIT_S))
+                self._stop_if_asked()
                 if conn in ready:
                     try:
                         conn.recv()
@@ -476,6 +489,7 @@ class Supervisor:
             # the directory is there for sure (later a /tmp cleaner may have removed it).
             from .. import metrics  # noqa: F401
 
+            self._stop_if_asked()
             if self.on_ready is not None:
                 self.on_ready(host, port)
             self._supervise()
@@ -483,6 +497,10 @@ class Supervisor:
         except StartupError as exc:
             log.error("%s", exc)
             return 1
+        except _StopDuringStart:
+            log.info("%s arrived while starting: the start is abandoned (never announced ready)",
+                     signal.Signals(self._signals[0]).name)
+            return 0
         finally:
             self._shutdown()
             for s, h in old_handlers.items():

@@ -507,3 +507,27 @@ def test_a_restarted_encoders_old_arena_is_unmapped_by_the_front_ends():
         while time.monotonic() < deadline and deleted_arenas(fe, s.proc.pid):
             time.sleep(0.1)
         assert deleted_arenas(fe, s.proc.pid) == []
+
+
+def test_sigterm_before_ready_abandons_the_start_without_announcing_ready():
+    """A stop signal during the start (here 0.3 s in: the workers are still importing) ends the
+    start: exit 0, no "ready" line (a wrapper waiting for it would take a stopping gateway for a
+    serving one), nothing left behind. Before, every worker finished starting, the gateway
+    printed "shardserver ready on ..." and only then stopped."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardserver.cli", "serve", "--config",
+                             str(REPO / "configs" / "demo.toml"), "--host", "127.0.0.1", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO),
+                            start_new_session=True)
+    try:
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    assert proc.returncode == 0, out
+    assert "shardserver ready on" not in out, out
+    assert "SIGTERM arrived while starting: the start is abandoned" in out, out
+    time.sleep(0.2)
+    assert _group(proc.pid) == [] and _segments_of(proc.pid) == []
