@@ -169,7 +169,7 @@ class EngineConfig:
     # request_cap().
     max_request_s: float = 0.0
     connect_timeout_s: float = 5.0
-    # Once an answer's header section has arrived, silence on its connection for this long means
+    # Once an answer's first byte has arrived, silence on its connection for this long means
     # the connection is dead (a partition, a hung proxy): the request is re-forwarded like any
     # broken connection instead of waiting out timeout_s. 0: no bound (timeout_s only).
     read_idle_timeout_s: float = 60.0

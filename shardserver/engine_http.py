@@ -403,6 +403,12 @@ class _Connection(asyncio.BufferedProtocol):
                 if self.head_bytes >= MAX_HEAD_BYTES:
                     raise BadResponse(f"answer header section over {MAX_HEAD_BYTES} bytes")
                 self.head_bytes += nbytes
+                pool = self.pool
+                if x.watch is None and pool.read_idle_s > 0:
+                    # Judged from the answer's first byte (EnginePool._watch): a peer that stops
+                    # inside the header section is as silent as one that stops inside the body.
+                    x.watch = asyncio.get_running_loop().call_later(
+                        pool.read_idle_s, pool._watch, self, x, x.received)
             direct = x.direct
             p = self.parser
             if p is None:  # the answer's first byte
@@ -774,10 +780,10 @@ class EnginePool:
             become an ``Authorization: Basic`` header, as aiohttp's client does.
         connect_timeout_s: bound on opening a connection (seconds).
         idle_s: an idle connection older than this is closed instead of reused (seconds).
-        read_idle_s: once an answer's header section has arrived, a connection that then
-            delivers no byte for this long is taken as broken (:class:`Broken`, answered);
-            0: no such bound. Before the header section nothing is bounded here: the engine
-            may generate for minutes before it answers.
+        read_idle_s: once an answer's first byte has arrived, a connection that then delivers
+            no byte for this long (inside the header section or the body) is taken as broken
+            (:class:`Broken`, answered); 0: no such bound. Before the first byte nothing is
+            bounded here: the engine may generate for minutes before it answers.
         on_bytes: called with the byte count of answer bytes as they arrive (header sections
             included; a body read into its own buffer is reported as a whole, its
             ``Content-Length``, when it is admitted), and with minus an answer's total once
@@ -1163,18 +1169,22 @@ class EnginePool:
         return x.status, body_out, reused
 
     def _watch(self, conn: _Connection, x: _Exchange, seen: int) -> None:
-        """Every ``read_idle_s`` while an answer is awaited: once its header section has arrived,
-        fail the exchange if no byte came since the last look (a silent peer: a partition, a
-        hung proxy)."""
+        """Every ``read_idle_s`` while an answer is awaited: once its first byte has arrived, fail
+        the exchange if no byte came since the last look (a silent peer: a partition, a hung
+        proxy), in its header section or its body."""
         if x.waiter.done() or conn.x is not x:
             return
         # (a paused body, waiting for room in budget_bytes, is not read on purpose: not judged)
-        if not x.paused and x.headers_done and not x.interim and x.received == seen:
-            conn._fail(Broken(f"no answer byte for {self.read_idle_s:g} s after {x.got} body bytes "
-                              f"(engine.read_idle_timeout_s)", answered=True, reused=conn.requests > 1))
+        # (after an interim 1xx answer the real one may take as long as the request runs: not judged
+        # until its header section is complete)
+        if not x.paused and not x.interim and x.received == seen:
+            where = f"after {x.got} body bytes" if x.headers_done else \
+                f"inside the answer's header section ({conn.head_bytes} bytes)"
+            conn._fail(Broken(f"no answer byte for {self.read_idle_s:g} s {where} (engine.read_idle_timeout_s)",
+                              answered=True, reused=conn.requests > 1))
             return
         x.watch = asyncio.get_running_loop().call_later(
-            self.read_idle_s, self._watch, conn, x, x.received if x.headers_done and not x.paused else -1)
+            self.read_idle_s, self._watch, conn, x, -1 if x.paused else x.received)
 
     def close_idle(self) -> int:
         """Close the idle connections unused for ``idle_s`` seconds or more (also done lazily when

@@ -716,23 +716,32 @@ def test_garbage_where_a_reused_connections_answer_should_start_sends_the_reques
     run(main())
 
 
-def test_an_answer_that_goes_silent_after_its_header_section_is_a_broken_connection() -> None:
-    """A partition or a hung proxy mid-answer: the header section and part of the body arrive,
-    then nothing, with the connection still open. Before: only engine.timeout_s (900 s) ended
+def test_an_answer_that_goes_silent_after_its_first_byte_is_a_broken_connection() -> None:
+    """A partition or a hung proxy mid-answer: the header section and part of the body (or only
+    part of the header section) arrive, then nothing, with the connection still open. Before: only engine.timeout_s (900 s) ended
     it, and the sample failed; now ``read_idle_s`` of silence makes it a broken connection
     (re-forwarded by the engine client). A slow engine that has not answered yet is not bounded."""
     raw = ok()
     stall = [raw[:200]] + [b""] * 300  # then 3 s of silence, connection open
+    # The status line and one field, then silence: before, nothing judged an answer until its
+    # header section was complete, so this one waited for engine.max_request_s (4 h).
+    head_stall = [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"] + [b""] * 300
     slow_start = [b""] * 60 + [raw]  # 0.6 s before any byte, then the whole answer
 
     async def main() -> None:
-        async with Script([stall, slow_start]) as s:
+        async with Script([stall, head_stall, slow_start]) as s:
             pool, held = pool_for(s.url, read_idle_s=0.25)
             t0 = time.monotonic()
             with pytest.raises(Broken, match=r"no answer byte for 0.25 s after \d+ body bytes") as e:
                 await pool.post(b"{}", {}, limit=1 << 20)
             assert (e.value.answered, e.value.reused) == (True, False)
             # (0.24: uvloop's timers run on millisecond ticks and may fire up to 1 ms early)
+            assert 0.24 <= time.monotonic() - t0 < 2.5 and held[0] == 0
+            t0 = time.monotonic()
+            with pytest.raises(Broken, match=r"no answer byte for 0.25 s inside the answer's header section "
+                                             r"\(49 bytes\)") as e:
+                await pool.post(b"{}", {}, limit=1 << 20)
+            assert (e.value.answered, e.value.reused) == (True, False)
             assert 0.24 <= time.monotonic() - t0 < 2.5 and held[0] == 0
             status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
             assert (status, bytes(body)) == (200, BODY)
