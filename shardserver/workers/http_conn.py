@@ -11,8 +11,9 @@ else (HTTP parsing, the ASGI cycle, graceful waiting):
   readiness, then ``loop.connect_accepted_socket``), so it can *stop accepting* while the
   front-end holds ``server.max_connections`` connections (lowered to what ``RLIMIT_NOFILE``
   allows): new clients then wait in the kernel's backlog, where another front-end with room
-  takes them, instead of being accepted and closed. At the cap, a keep-alive connection idle
-  for at least :data:`EVICT_MIN_IDLE_S` is closed first to make room. ``accept()`` failing
+  takes them, instead of being accepted and closed. At the cap, the connection that has waited
+  longest on its client (idle between requests, or not sending a complete request), if for at
+  least :data:`EVICT_MIN_IDLE_S`, is closed first to make room. ``accept()`` failing
   for lack of file descriptors pauses accepting for :data:`ACCEPT_ERROR_PAUSE_S` and is
   logged. At shutdown it stops accepting, takes every connection already waiting in the
   backlog (they are answered, not reset), and closes its copy of the listening socket.
@@ -72,8 +73,8 @@ log = logging.getLogger("shardserver.frontend")
 # During a drain, an idle connection is closed after this many seconds without a new request
 # (a client that was about to send gets its answer, with Connection: close, instead of a reset).
 DRAIN_IDLE_S = 0.5
-# At the cap, only keep-alive connections idle at least this long are closed to make room
-# (one idle for less is likely to carry a request right now).
+# At the cap, only connections waiting on their client at least this long are closed to make room
+# (one idle for less is likely to carry a request right now; a request takes milliseconds to send).
 EVICT_MIN_IDLE_S = 1.0
 # accept() failed for lack of file descriptors or memory: stop accepting this long.
 ACCEPT_ERROR_PAUSE_S = 0.5
@@ -224,7 +225,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._phase = ""            # "headers" or "body" while a timer runs
         self._started = False       # a byte of the current request arrived
         self._draining = False
-        self.idle_since = 0.0       # monotonic time the connection became idle (0: busy)
+        self.idle_since = 0.0       # monotonic time it began waiting on its client (0: a request is served)
         self._lost: Exception | None | bool = False  # False while connected; else connection_lost's exc
         self._write_event: asyncio.Event | None = None  # set on resume_writing and connection_lost
         self._in_head = True        # the next bytes belong to a request line or headers
@@ -340,6 +341,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._arena_transport = _ArenaSafeTransport(transport, self)
         CONNECTIONS_OPEN.inc()
         self._arm("headers", self._limits.header_timeout_s)  # a new connection must send a request
+        self._wait_on_client()  # evictable at the cap until its first request is complete
         if self._listener is not None and self._listener.draining:
             self.begin_drain()
 
@@ -386,10 +388,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         return None
 
     def data_received(self, data: bytes) -> None:
-        if self.idle_since:
-            self.idle_since = 0.0
-            if self._listener is not None:
-                self._listener.not_idle(self)
         if self._phase == "drain":
             self._disarm()
         if self._linger_left is not None:
@@ -442,6 +440,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._started = True
+        if self.idle_since:
+            self._wait_on_client()  # a request starts: its client gets EVICT_MIN_IDLE_S to complete it
         if self._phase != "headers" or self.cycle is not None:
             # A new request on a kept-alive connection; a fresh connection's timer runs since its start.
             self._arm("headers", self._limits.header_timeout_s)
@@ -467,6 +467,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._disarm()
         self._linger_left = None
         self._started = False
+        cycle = self.cycle
+        if self.idle_since and (cycle is None or not cycle.response_complete):
+            # (an answer given before the body was complete: the connection waits for the next request)
+            self.idle_since = 0.0
+            if self._listener is not None:
+                self._listener.not_idle(self)
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
@@ -485,11 +491,19 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             # ends: then the connection serves the next request, as any other).
             self._linger_left = self._limits.linger_bytes
             self._arm("linger", self._limits.body_timeout_s)
+            self._wait_on_client()
             return
         if self.pipeline:
             return
         if self._draining:
             self._arm("drain", DRAIN_IDLE_S)
+        self._wait_on_client()
+
+    def _wait_on_client(self) -> None:
+        """The connection now waits on its client (fresh, between requests, receiving a request
+        that is not complete yet, or reading the rest of a body already answered): from now on,
+        once :data:`EVICT_MIN_IDLE_S` has passed, the listener may close it to make room at the
+        cap (:meth:`Listener._evictable`). A request that is complete is served, not evictable."""
         self.idle_since = time.monotonic()
         if self._listener is not None:
             self._listener.idle(self)
@@ -708,6 +722,7 @@ class Listener:
         self._reading = False
         self._resume: asyncio.TimerHandle | None = None
         self._error_pause = False   # accept() ran out of file descriptors: wait for _resume
+        self._capped = False        # paused at the cap since the last time a connection closed below it
         self._idle: OrderedDict[GatewayHttpProtocol, None] = OrderedDict()  # oldest idle first
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = asyncio.Event()
@@ -789,10 +804,20 @@ class Listener:
             self.open -= 1
 
     def _evictable(self) -> GatewayHttpProtocol | None:
-        """At the cap: the longest-idle keep-alive connection if it idled at least
-        :data:`EVICT_MIN_IDLE_S` (one whose next request already waits unread in its socket is
-        passed over: closing it would reset that request); else None, and accepting stops until a connection closes (or
-        the longest-idle one has idled long enough)."""
+        """At the cap: the connection that has waited longest on its client, if that is at least
+        :data:`EVICT_MIN_IDLE_S`; else None, and accepting stops until a connection closes (or the
+        longest-waiting one has waited long enough).
+
+        Waiting on its client (:meth:`GatewayHttpProtocol._wait_on_client`): a keep-alive
+        connection between requests, a new one that has not sent a complete request, one whose
+        request started (first byte) but is not complete, one reading the rest of a body that
+        was answered already (a 401 or 413). So connections that never complete a request (silent
+        ones, slowloris, unauthenticated requests with a large ``Content-Length``), which hold no
+        key and count against no key's share, cannot hold every slot for
+        ``server.header_timeout_s`` or ``server.body_timeout_s`` each: at the cap they make room
+        for new clients. A request that is complete is being served and is never closed here; one
+        whose next request already waits unread in its socket is passed over (closing it would
+        reset that request)."""
         for proto in self._idle:
             if proto.unread_bytes():
                 continue  # its next request is already here, unread (the loop was busy): not idle
@@ -801,7 +826,10 @@ class Listener:
                 return proto
             self._pause_at_cap(EVICT_MIN_IDLE_S - idle_s)
             return None
-        self._pause_at_cap(None)
+        # None waits on its client now, or each that does has its next request unread, or was
+        # accepted and not made yet (connect_accepted_socket runs in a task): look again later,
+        # or a peer that never completes a request would hold these slots until its timeouts.
+        self._pause_at_cap(EVICT_MIN_IDLE_S)
         return None
 
     def _evict(self, proto: GatewayHttpProtocol) -> None:
@@ -811,14 +839,17 @@ class Listener:
         self.open -= 1
         proto.evict()
 
-    def _pause_at_cap(self, recheck_s: float | None) -> None:
-        if self._reading:
+    def _pause_at_cap(self, recheck_s: float) -> None:
+        """Stop accepting at the cap; look for room again in ``recheck_s`` seconds (or as soon as
+        a connection closes). Counted and logged once per stretch at the cap."""
+        if not self._capped:
+            self._capped = True
             CONNECTION_CAP_REACHED.inc()
             self.cap_log.hit("front-end %d: %d open connections = server.max_connections: not accepting new ones "
-                             "until one closes (they wait in the listen backlog)", self.front_end, self.open)
+                             "until one closes or waits on its client for %g s (they wait in the listen backlog)",
+                             self.front_end, self.open, EVICT_MIN_IDLE_S)
         self._stop_reading()
-        if recheck_s is not None:
-            self._schedule_resume(recheck_s)
+        self._schedule_resume(recheck_s)
 
     def _schedule_resume(self, delay: float) -> None:
         if self._resume is None:
@@ -862,6 +893,8 @@ class Listener:
     def released(self, proto: GatewayHttpProtocol) -> None:
         self._idle.pop(proto, None)
         self.open -= 1
+        if self.open < self.max_connections:
+            self._capped = False
         if self.open < self.max_connections and not self._error_pause and not self._reading:
             if self._resume is not None:  # a re-check at the cap is due: a slot is free now
                 self._resume.cancel()

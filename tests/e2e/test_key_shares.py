@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 
 import numpy as np
 import pytest
 
 from conftest import BASE_MODEL, engine_body, expected_sequences
-from shardserver.testing import RunningServer, http_json
+from shardserver.testing import RunningServer, http_json, metric_sum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -202,3 +203,51 @@ def test_a_key_cannot_hold_every_connection_slot(tmp_path):
         finally:
             for c in held:
                 c.close()
+
+
+def test_connections_that_never_complete_a_request_make_room_at_the_cap(tmp_path):
+    """A key's share of the connections is counted from its first authenticated request, so
+    connections that never complete one hold no key's share: silent ones, and unauthenticated
+    requests with a large ``Content-Length`` (answered 401 at once, then the rest of the body is
+    read for up to ``server.body_timeout_s``). Before: they were never closed to make room (only
+    idle keep-alive connections were), so a peer holding ``server.max_connections`` of them, no
+    key needed, left every key's clients in the listen backlog (break tester's F1: key B got no
+    answer). Now, at the cap, the connection that has waited longest on its client is closed
+    once it waited a second; key B is answered at once."""
+    cfg = tmp_path / "keys.toml"
+    cfg.write_text(CONFIG)
+    cap = 16
+    env = {"SHARDSERVER_API_KEYS": ",".join((KEY_A, KEY_B, KEY_C)),
+           "SHARDSERVER_SERVER__MAX_CONNECTIONS": str(cap)}
+    with RunningServer(cfg, env=env) as s:
+        head = (b"POST /api/v1/asample HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000000\r\n\r\n{")
+        flood = []
+        try:
+            for i in range(cap + 8):  # more than the cap: the last ones wait in the backlog
+                c = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+                if i % 4:
+                    c.sendall(head)  # (every 4th sends nothing at all)
+                flood.append(c)
+            time.sleep(1.5)  # past EVICT_MIN_IDLE_S for the first ones
+            t0 = time.monotonic()
+            st, _, body = http_json(s.url + "/api/v1/session_heartbeat", {"session_id": "x"},
+                                    headers={"X-API-Key": KEY_B}, timeout=10)
+            waited = time.monotonic() - t0
+            # The key was checked (not 401) and the body read: the route's own answer.
+            assert st == 404 and waited < 3.0, (st, body, waited)
+            closed = 0
+            for c in flood[:4]:  # the oldest were closed to make room
+                c.settimeout(2)
+                try:
+                    data = c.recv(65536)
+                    while data:
+                        data = c.recv(65536)
+                    closed += 1
+                except OSError:
+                    closed += 1
+            assert closed == 4
+        finally:
+            for c in flood:
+                c.close()
+        assert metric_sum(s.url, "shardserver_connections_evicted_total") >= 9
