@@ -246,6 +246,61 @@ class OwnerUsage:
     arena_bytes: int = 0
 
 
+class EngineQueue:
+    """Futures waiting for an engine connection: one FIFO per owner (API key; ``""`` in open
+    mode), served round robin, one future per owner in turn, so one key's backlog delays another
+    key's future by at most one future per key and free engine connection. With one owner the
+    order is plain FIFO. Every operation is O(1) (:meth:`compact` aside).
+
+    Entries that left the pending state while queued (``body`` None) stay until they are popped
+    or compacted; popping one does not use up its owner's turn.
+    """
+
+    __slots__ = ("_fifos", "_turns", "_len")
+
+    def __init__(self) -> None:
+        self._fifos: dict[str, collections.deque[FutureEntry]] = {}
+        self._turns: collections.deque[str] = collections.deque()  # owners with entries, next first
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, e: FutureEntry) -> None:
+        """Queue ``e`` behind its owner's other entries (an owner new to the queue takes its turn last)."""
+        fifo = self._fifos.get(e.owner)
+        if fifo is None:
+            fifo = self._fifos[e.owner] = collections.deque()
+            self._turns.append(e.owner)
+        fifo.append(e)
+        self._len += 1
+
+    def popleft(self) -> FutureEntry:
+        """Take the oldest entry of the owner whose turn it is (IndexError when empty). The turn
+        passes to the next owner unless the entry taken is stale."""
+        owner = self._turns[0]
+        fifo = self._fifos[owner]
+        e = fifo.popleft()
+        self._len -= 1
+        if not fifo:
+            del self._fifos[owner]
+            self._turns.popleft()
+        elif e.body is not None:
+            self._turns.rotate(-1)
+        return e
+
+    def compact(self) -> None:
+        """Drop every stale entry, keeping each owner's order and the owners' turn order."""
+        for owner in list(self._turns):
+            fifo = collections.deque(e for e in self._fifos[owner] if e.body is not None and e.task is None)
+            if fifo:
+                self._fifos[owner] = fifo
+            else:
+                del self._fifos[owner]
+        self._turns = collections.deque(o for o in self._turns if o in self._fifos)
+        self._len = sum(map(len, self._fifos.values()))
+
+
 class EncoderCore:
     """The logic of one shard.
 
@@ -297,7 +352,8 @@ class EncoderCore:
         self.timers = EncoderTimers()
         self.engine_probe = engine_probe
         # Engine calls: at most engine.pool_size run at once (one engine connection each); the
-        # other pending futures wait in ``engine_queue`` holding only their FutureEntry (and body).
+        # other pending futures wait in ``engine_queue`` (one FIFO per owner, served round robin)
+        # holding only their FutureEntry (and body).
         self.max_engine_calls = cfg.engine.pool_size
         self.engine_calls = 0
         # engine.answer_budget_bytes: while the engine answers received and not yet decoded
@@ -307,7 +363,7 @@ class EncoderCore:
         self.min_engine_calls = min(MIN_ENGINE_CALLS, self.max_engine_calls)
         self.engine_call_limit = self.max_engine_calls
         self._grow_credit = 0  # calls finished under the budget since the limit last grew
-        self.engine_queue: collections.deque[FutureEntry] = collections.deque()
+        self.engine_queue = EngineQueue()  # per-owner FIFOs served round robin
         self._queue_stale = 0  # entries in engine_queue that left the pending state meanwhile
         self.pending_request_bytes = 0  # engine request bodies held by pending futures
         self._closed = False
@@ -805,7 +861,7 @@ class EncoderCore:
             self.engine_calls += 1
             e.task = asyncio.get_running_loop().create_task(self._run(e), name=f"engine-call-{e.fid[:16]}")
         if self._queue_stale > 64 and self._queue_stale * 2 > len(q):
-            self.engine_queue = collections.deque(e for e in q if e.body is not None and e.task is None)
+            q.compact()
             self._queue_stale = 0
 
     async def _run(self, e: FutureEntry) -> None:

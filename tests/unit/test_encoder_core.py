@@ -720,3 +720,82 @@ def test_a_queued_future_holds_its_entry_and_body_only_and_a_pool_wait_miss_free
     finally:
         arena.close()
         unlink_segment(name)
+
+
+class OrderEngine(SimEngine):
+    """SimEngine that records the ``seed`` (the test's seq) of each request in the order sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[int] = []
+
+    async def post(self, body: bytes, headers: dict[str, str], ids=None) -> bytes:
+        self.sent.append(json.loads(body)["seed"])
+        return await super().post(body, headers, ids)
+
+
+@pytest.mark.parametrize("mode", ["keys", "open"])
+def test_engine_queue_serves_owners_round_robin_and_stays_fifo_for_one_owner(mode):
+    """Break tester f2: with one engine connection, key "a" queues a backlog, key "b" two
+    requests after it: the free connection goes to each key's oldest request in turn (a cancelled
+    queued request does not use up its key's turn), so "b" waits behind one of "a"'s requests,
+    not all of them. Open mode (one owner, "") keeps plain submission order."""
+    name = segment_name(os.getpid(), "c0ffee03", random.randrange(10**6), 0)
+    create_segment(name, 1 << 20)
+    arena = ArenaWriter(name)
+    auth = {"mode": "keys", "key_share": 1.0} if mode == "keys" else {}
+    cfg = config_from_mapping({"shards": {"count": 1}, "engine": {"pool_size": 1}, "auth": auth}, env={})
+    eng = OrderEngine()
+    eng.gate = asyncio.Event()
+    c = EncoderCore(cfg, 0, arena, eng, IdSigner(b"k", "0badcafe"))
+    # seq 1x: key a; 2x: key b (all owner "" in open mode)
+    plan = [(10, "a"), (11, "a"), (12, "a"), (13, "a"), (20, "b"), (21, "b"), (14, "a")]
+
+    async def go():
+        rids = {}
+        for seq, owner in plan:
+            meta, body = _meta(seq, 10)
+            meta = SubmitRequest(sid=meta.sid, seq=seq, owner=owner if mode == "keys" else "", n=1,
+                                 reserve_bytes=meta.reserve_bytes)
+            rids[seq] = c.submit(meta, body).request_id
+        await asyncio.sleep(0)
+        assert eng.sent == [10] and len(c.engine_queue) == 6
+        assert c.cancel(CancelRequest(fid=rids[12])) == CancelReply(was="pending")
+        assert c.stats().engine_queued == 5  # the cancelled one is not counted
+        eng.gate.set()
+        for _ in range(200):
+            if len(eng.sent) == 6 and c.engine_calls == 0:
+                break
+            await asyncio.sleep(0.005)
+        if mode == "keys":
+            assert eng.sent == [10, 11, 20, 13, 21, 14]
+        else:
+            assert eng.sent == [10, 11, 13, 20, 21, 14]
+        assert [c.table[rids[s]].state for s in eng.sent] == ["done"] * 6
+        assert (len(c.engine_queue), c._queue_stale, c.stats().engine_queued) == (0, 0, 0)
+
+    try:
+        asyncio.run(go())
+    finally:
+        c.close()
+        arena.close()
+        unlink_segment(name)
+
+
+def test_engine_queue_compaction_keeps_each_owners_order_and_the_turns():
+    """EngineQueue.compact drops the entries that left the pending state (body None) and keeps
+    each owner's FIFO and the owners' turn order; an owner left with nothing loses its turn."""
+    from shardserver.workers.encoder import EngineQueue, FutureEntry
+
+    q = EngineQueue()
+    entries = [FutureEntry(fid=f"{owner}{i}", key=None, owner=owner, body=b"x")
+               for owner, i in [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("b", 1), ("a", 2)]]
+    for e in entries:
+        q.append(e)
+    for e in entries:
+        if e.fid in ("a0", "b0", "b1"):
+            e.body = None
+    q.compact()
+    assert len(q) == 3
+    assert [q.popleft().fid for _ in range(3)] == ["a1", "c0", "a2"]
+    assert len(q) == 0 and not q
