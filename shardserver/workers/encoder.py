@@ -33,7 +33,7 @@ answers 410 and the SDK resubmits it.
 
 With ``auth.mode = "keys"`` each API key (the SUBMIT's ``owner``) may hold at
 most ``auth.key_share`` of the shard's arena (reservations plus results not
-delivered yet), of ``shards.max_pending`` and of
+delivered yet, with the JSON forms cached for them), of ``shards.max_pending`` and of
 ``shards.max_pending_request_bytes`` (:class:`OwnerUsage`); beyond it SUBMIT
 is refused with reason KEY_QUOTA (429), so one key cannot lock out another.
 
@@ -144,7 +144,7 @@ class FutureEntry:
     plp: tuple[int, np.ndarray | None] | None = None  # (topk, prompt ids) when prompt logprobs are asked
     fill: bool = False            # SubmitRequest.fill_context: the body's max_tokens is the gateway's
     owner: str = ""               # the API key's owner tag (per-key shares, auth.key_share)
-    charged: int = 0              # arena bytes counted against the owner's share
+    charged: int = 0              # arena bytes counted against the owner's share (result + JSON form)
     stamp: int = 0                # monotonic ns when it left PENDING (its place in the session's log)
     expired: bool = False         # its pending TTL passed (counted as ``expired`` once)
     digest: bytes = b""           # SubmitRequest.digest: a resubmission of its key must match it
@@ -238,7 +238,9 @@ class OwnerUsage:
         pending: its futures waiting for the engine.
         request_bytes: engine request bodies those futures hold (bytes).
         arena_bytes: arena bytes reserved for its pending futures plus the slots of its results
-            not delivered yet (bytes; delivered results can be evicted, so they do not count).
+            not delivered yet and of the JSON forms cached for them (bytes; delivered results can
+            be evicted, so they do not count). A JSON form that would pass the share is not cached
+            (the front-end derives it for that one response).
     """
 
     pending: int = 0
@@ -540,6 +542,15 @@ class EncoderCore:
             u.arena_bytes += arena_bytes - e.charged
             self._settle(e.owner, u)
         e.charged = arena_bytes
+
+    def _json_room(self, e: FutureEntry) -> int | None:
+        """Arena bytes the share of ``e``'s owner (``auth.key_share``) leaves for caching the JSON
+        form of ``e``'s undelivered result (0 or less: none); None when there is no limit (shares
+        off, or the result was delivered: then both forms can be evicted and count on no share)."""
+        if e.delivered or not self.key_share:
+            return None
+        u = self.owners.get(e.owner)
+        return int(self.key_share * self.arena.size) - (u.arena_bytes if u is not None else 0)
 
     def _release_body(self, e: FutureEntry, queued: bool = True) -> None:
         """Drop the future's engine request body and its counts (``queued``: False when it was
@@ -1107,15 +1118,19 @@ class EncoderCore:
         slot = e.slot
         if want == ResultForm.JSON:
             if e.json_slot is None:
-                js = sample_response_to_json(self.arena.read(e.slot))
-                e.json_slot = self.arena.write(js)
-                if e.json_slot is None:
-                    self._evict_delivered_until(lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(len(js)),
-                                                keep=e.fid)
+                room = self._json_room(e)
+                js = sample_response_to_json(self.arena.read(e.slot)) if room is None or room > 0 else None
+                if js is not None and (room is None or ArenaWriter.slot_bytes(len(js)) <= room):
                     e.json_slot = self.arena.write(js)
+                    if e.json_slot is None:
+                        self._evict_delivered_until(
+                            lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(len(js)), keep=e.fid)
+                        e.json_slot = self.arena.write(js)
+                    if e.json_slot is not None and not e.delivered:
+                        self._charge(e, e.charged + e.json_slot.capacity)  # held as long as the result
                 if e.json_slot is None:
-                    # No room to cache the JSON form: hand out the proto and let the front-end
-                    # derive JSON from it for this one response.
+                    # No room to cache the JSON form (in the arena, or in its key's share): hand
+                    # out the proto and let the front-end derive JSON from it for this one response.
                     self.counters["json_uncached"] += 1
                     e.readers += 1
                     return PollDone(arena=self.arena.name, offset=slot.offset, length=slot.length,

@@ -379,6 +379,80 @@ def test_a_keys_abandoned_results_make_room_within_its_own_share():
         asyncio.run(go())
 
 
+def _keyed_submit(c: EncoderCore, seq: int, owner: str, max_tokens: int):
+    """SUBMIT a 1-sample request of ``max_tokens`` as API key owner ``owner`` (session "s")."""
+    meta, body = _meta(seq, max_tokens)
+    return c.submit(SubmitRequest(sid=meta.sid, seq=seq, owner=owner, n=1, reserve_bytes=meta.reserve_bytes), body)
+
+
+def test_a_keys_cached_json_forms_stay_within_its_share():
+    """Found by a break test (auth.mode = "keys"): the JSON form cached for an old SDK's poll
+    (Accept: application/json, ~3.3x the proto) counted on no share, so a key that filled its
+    share with results and polled them as JSON (never taking the bodies) filled the rest of the
+    arena, and a key holding nothing got 429 for a request well under its share. Now a JSON
+    form that would pass its key's share is not cached (the front-end derives it)."""
+    from shardserver.messages import ResultForm
+
+    async def go():
+        a = [_keyed_submit(c, i, "a", 7500).request_id for i in range(8)]  # 8 x 60032 B: 480256 of a's 524288
+        for f in a:
+            await c.poll(PollRequest(fid=f, timeout=10))  # (held until it completes)
+        results = sum(c.table[f].slot.capacity for f in a)
+        assert results == 8 * 60032 and c.owners["a"].arena_bytes == results
+        forms = [(await c.poll(PollRequest(fid=f, want=ResultForm.JSON))).form for f in a]
+        b = _keyed_submit(c, 100, "b", 30000)  # 240 KB: under half of b's share, b holds nothing
+        assert not isinstance(b, SubmitRefused), b.message
+        # a 196032-byte JSON form would pass a's share: the front-end derives each one
+        assert forms == [ResultForm.PROTO] * 8 and all(c.table[f].json_slot is None for f in a)
+        assert c.counters["json_uncached"] == 8 and c.owners["a"].arena_bytes == results
+        await c.poll(PollRequest(fid=b.request_id, timeout=10))
+        assert c.table[b.request_id].state == "done"
+
+    with _core_with({}, auth={"mode": "keys", "key_share": 0.5}) as c:
+        asyncio.run(go())
+
+
+def test_a_cached_json_form_counts_on_its_keys_share_until_freed():
+    """A JSON form cached for an undelivered result counts on its key's share, once however
+    often it is polled, and leaves it with the result: at delivery, cancel, ack and TTL expiry."""
+    import time
+
+    from shardserver.messages import ResultForm
+
+    async def go():
+        fids = [_keyed_submit(c, i, "a", 2000).request_id for i in range(4)]
+        for f in fids:
+            await c.poll(PollRequest(fid=f, timeout=10))  # (held until it completes)
+        es = [c.table[f] for f in fids]
+        held = sum(e.slot.capacity for e in es)
+        assert c.owners["a"].arena_bytes == held
+        for e in es:
+            for _ in range(2):  # the second poll reuses the cached form
+                reply = await c.poll(PollRequest(fid=e.fid, want=ResultForm.JSON))
+                assert reply.form == ResultForm.JSON and reply.length == e.json_slot.length
+        forms = [e.json_slot.capacity for e in es]
+        assert all(f > 3 * e.slot.capacity for f, e in zip(forms, es)) and c.counters.get("json_uncached", 0) == 0
+        held += sum(forms)
+        assert c.owners["a"].arena_bytes == held == c.arena.used_bytes
+        step = [e.slot.capacity + f for e, f in zip(es, forms)]
+        c.delivered_ok(fids[0])
+        held -= step[0]
+        assert c.owners["a"].arena_bytes == held
+        assert c.cancel(CancelRequest(fid=fids[1])).was == "done"
+        held -= step[1]
+        assert c.owners["a"].arena_bytes == held
+        await c.session_poll(_sp(sid="s", acks=[fids[2]]))
+        held -= step[2]
+        assert c.owners["a"].arena_bytes == held == step[3]
+        c.sweep(time.monotonic() + c.cfg.futures.completed_ttl_s + c.cfg.futures.retrieved_ttl_s + 1)
+        assert c.owners == {} and c.table == {}
+        c.arena.release_held(time.monotonic() + 3600)
+        assert c.arena.used_bytes == 0
+
+    with _core_with({}, auth={"mode": "keys", "key_share": 0.5}) as c:
+        asyncio.run(go())
+
+
 # -- the session-wide poller (SESSION_POLL) and CANCEL ----------------------------------------------
 def _sp(sid="s", clone=0, after=0, upto=None, limit=100, acks=(), timeout=0.0) -> SessionPollRequest:
     import time
