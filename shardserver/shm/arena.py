@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import errno
 import mmap
 import os
 import re
@@ -68,6 +69,7 @@ import time
 from ..errors import SlotInvalidError
 
 __all__ = [
+    "ArenaSpaceError",
     "SHM_DIR",
     "SEGMENT_PREFIX",
     "SLOT_HEADER",
@@ -303,20 +305,35 @@ def remove_stale_segments() -> list[str]:
     return removed
 
 
-def _open_map(name: str, writable: bool) -> tuple[mmap.mmap, int]:
+def _open_map(name: str, writable: bool, keep_fd: bool = False) -> tuple[mmap.mmap, int, int]:
+    """``(mapping, payload size, fd)`` of arena ``name``; ``fd`` is -1 unless ``keep_fd``."""
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
         total = os.fstat(fd).st_size
         mm = mmap.mmap(fd, total, mmap.MAP_SHARED,
                        mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    if not keep_fd:
+        os.close(fd)
+        fd = -1
     magic, size = _SB.unpack_from(mm, 0)
     if magic != MAGIC or size + SUPERBLOCK != total:
         mm.close()
+        if fd >= 0:
+            os.close(fd)
         raise ValueError(f"{path} is not a shardserver arena")
-    return mm, size
+    return mm, size, fd
+
+
+class ArenaSpaceError(OSError):
+    """The filesystem under the arena (``/dev/shm``, tmpfs) has no room for the pages a result
+    needs (``ENOSPC`` from ``posix_fallocate``): the segment is sparse, so its pages are taken
+    only as results are written, and something else filled ``/dev/shm`` since the start. Raised
+    by :meth:`ArenaWriter.payload` and :meth:`ArenaWriter.write` *instead of* the ``SIGBUS``
+    that writing to such a page through the mapping would raise (which killed the encoder)."""
 
 
 class Slot:
@@ -355,8 +372,9 @@ class ArenaWriter:
         self.hold_s = hold_s
         self._held: collections.deque[tuple[float, int, int]] = collections.deque()  # (due, offset, capacity)
         self.held_bytes = 0
-        self._mm, self.size = _open_map(name, writable=True)
+        self._mm, self.size, self._fd = _open_map(name, writable=True, keep_fd=True)
         self._view = memoryview(self._mm)
+        self._fallocate = hasattr(os, "posix_fallocate")
         self._free_offs: list[int] = [SUPERBLOCK]
         self._free_size: dict[int, int] = {SUPERBLOCK: self.size}
         # The free blocks again, by size class (a block of s bytes is in class s.bit_length()):
@@ -474,9 +492,26 @@ class ArenaWriter:
         return Slot(off, need)
 
     def payload(self, slot: Slot, length: int) -> memoryview:
-        """Writable view of ``length`` payload bytes of a reserved slot."""
+        """Writable view of ``length`` payload bytes of a reserved slot, its pages (and the slot
+        header's) backed by the filesystem first (``posix_fallocate``: allocates the pages tmpfs
+        does not hold yet, a no-op for those it does; ~1 µs plus the zeroing a page fault would
+        do anyway).
+
+        Raises:
+            ValueError: ``length`` does not fit the slot.
+            ArenaSpaceError: ``/dev/shm`` has no room for those pages (the slot stays reserved:
+                the caller frees it).
+        """
         if SLOT_HEADER + length > slot.capacity:
             raise ValueError(f"payload of {length} bytes does not fit slot of capacity {slot.capacity}")
+        if self._fallocate:
+            try:
+                os.posix_fallocate(self._fd, slot.offset, SLOT_HEADER + length)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise ArenaSpaceError(errno.ENOSPC, f"{SHM_DIR} has no room for the {SLOT_HEADER + length} "
+                                                        f"bytes of a result in arena {self.name}") from None
+                self._fallocate = False  # not supported here (EOPNOTSUPP, EINVAL): pages come on write
         start = slot.offset + SLOT_HEADER
         return self._view[start:start + length]
 
@@ -493,11 +528,20 @@ class ArenaWriter:
         return self._gen
 
     def write(self, data: bytes | memoryview) -> Slot | None:
-        """Allocate, copy ``data`` in and commit; None when the arena has no room."""
+        """Allocate, copy ``data`` in and commit; None when the arena has no room.
+
+        Raises:
+            ArenaSpaceError: ``/dev/shm`` has no room for the pages (nothing stays allocated).
+        """
         slot = self.alloc(len(data))
         if slot is None:
             return None
-        self.payload(slot, len(data))[:] = data
+        try:
+            view = self.payload(slot, len(data))
+        except ArenaSpaceError:
+            self.free(slot)
+            raise
+        view[:] = data
         self.commit(slot, len(data))
         return slot
 
@@ -617,6 +661,9 @@ class ArenaWriter:
     def close(self) -> None:
         self._view.release()
         self._mm.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class ArenaReader:
@@ -628,7 +675,7 @@ class ArenaReader:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._mm, self.size = _open_map(name, writable=False)
+        self._mm, self.size, _ = _open_map(name, writable=False)
         self._view = memoryview(self._mm).toreadonly()
 
     def read(self, offset: int, length: int, generation: int) -> bytes:

@@ -102,7 +102,7 @@ from ..messages import (
     SubmitRequest,
 )
 from ..metrics import EncoderTimers, ShardCounters
-from ..shm.arena import ARENA_READ_HOLD_S, ArenaWriter, Slot
+from ..shm.arena import ARENA_READ_HOLD_S, SHM_DIR, ArenaSpaceError, ArenaWriter, Slot, shm_free_bytes
 from .journal import JOURNAL_DIR, FutureJournal, JournalRecord, JournalUnwritable
 from .ttl import DeadlineBuckets
 
@@ -200,6 +200,11 @@ ABORT_STREAK_GAP_S = 60.0
 ABORT_HISTORY_MAX = 4096
 #: Seconds between WARNING lines about futures answered 410 after their abort re-forwards.
 ABORT_LOG_EVERY_S = 10.0
+#: After /dev/shm had no room for a result's pages (ArenaSpaceError), each SUBMIT checks its free
+#: space for this long (seconds; one statvfs) and is refused 429 while it cannot hold the reservation.
+SHM_FULL_CHECK_S = 30.0
+#: Seconds between two ERROR lines about /dev/shm being full.
+SHM_FULL_LOG_EVERY_S = 10.0
 
 
 # vLLM's refusal of prompt + max_tokens over its context window (vllm serving_engine's
@@ -391,6 +396,8 @@ class EncoderCore:
         self._abort_history: collections.OrderedDict[bytes, list] = collections.OrderedDict()
         self._finished = 0
         self._abort_log_at = -1e18  # monotonic time of the last WARNING about a 410 after aborts
+        self._shm_full_at = 0.0  # monotonic time /dev/shm last had no room for a result (0: never)
+        self._shm_full_log_at = -1e18
         self._abort_log_folded = 0  # such 410s since that line
 
     # -- helpers -------------------------------------------------------------------------
@@ -740,6 +747,8 @@ class EncoderCore:
                 f"the result of this request can reach {need} bytes, more than the shard's arena "
                 f"({self.arena.size} bytes, shards.arena_bytes); lower max_tokens or num_samples"))
         refused = self._key_quota(req.owner, len(body), need) or self._pending_limit(len(body))
+        if refused is None and self._shm_full_at and time.monotonic() - self._shm_full_at < SHM_FULL_CHECK_S:
+            refused = self._shm_room(need)
         if refused is not None:
             return refused
         # Reserve a real, contiguous slot now: the completion writes into it and gives back the
@@ -1048,6 +1057,14 @@ class EncoderCore:
                 return
         try:
             n = encode_sample_response(dc, self.arena.payload(slot, size), 0, plan=plan)
+        except ArenaSpaceError as exc:
+            # /dev/shm filled up since the start (another program's files): a fault of the host,
+            # not of the request. 410: the SDK resubmits, and SUBMITs are refused 429 while the
+            # filesystem stays full (_shm_room).
+            self.arena.free(slot)
+            self._shm_full(exc)
+            self._gone(e, f"could not be stored ({exc.strerror})")
+            return
         except Exception:
             self.arena.free(slot)  # the caller fails the future; the slot must not leak
             raise
@@ -1072,6 +1089,43 @@ class EncoderCore:
         self.counters[f"failed_{category}"] += 1
         self._set_deadline(e, self.cfg.futures.completed_ttl_s)
         self._wake(e)
+
+    def _write_json(self, js: bytes) -> Slot | None:
+        """A derived JSON form written to the arena; None when there is no room (in the arena, or
+        in ``/dev/shm`` for its pages: then it is not cached and the front-end derives it)."""
+        try:
+            return self.arena.write(js)
+        except ArenaSpaceError as exc:
+            self._shm_full(exc)
+            return None
+
+    def _shm_full(self, exc: ArenaSpaceError) -> None:
+        """``/dev/shm`` had no room for a result's pages: count it, log an ERROR (at most every
+        :data:`SHM_FULL_LOG_EVERY_S`), and check the free space at each SUBMIT for the next
+        :data:`SHM_FULL_CHECK_S`."""
+        now = time.monotonic()
+        self._shm_full_at = now
+        self.counters["arena_shm_full"] += 1
+        if now - self._shm_full_log_at >= SHM_FULL_LOG_EVERY_S:
+            self._shm_full_log_at = now
+            log.error("encoder %d: %s: %s is full (another program's files? `df %s`): results that cannot be "
+                      "stored answer 410 (the SDK resubmits) and new samples are refused 429 until there is room "
+                      "(shardserver_encoder_events_total{event=\"arena_shm_full\"})",
+                      self.shard, exc.strerror, SHM_DIR, SHM_DIR)
+
+    def _shm_room(self, need: int) -> SubmitRefused | None:
+        """While ``/dev/shm`` was full a moment ago: 429 when it has less than ``need`` bytes
+        free (a reservation the engine would fill for nothing), else None."""
+        try:
+            free, _ = shm_free_bytes()
+        except OSError:
+            return None
+        if free >= need:
+            return None
+        self.counters["rejected_429"] += 1
+        return SubmitRefused(reason=RefusalReason.NO_ROOM, message=(
+            f"{SHM_DIR} is full ({free} bytes free, this request's result may need {need}): shard "
+            f"{self.shard} cannot store results; retry later"))
 
     def _gone(self, e: FutureEntry, reason: str) -> None:
         self._release(e)
@@ -1121,11 +1175,11 @@ class EncoderCore:
                 room = self._json_room(e)
                 js = sample_response_to_json(self.arena.read(e.slot)) if room is None or room > 0 else None
                 if js is not None and (room is None or ArenaWriter.slot_bytes(len(js)) <= room):
-                    e.json_slot = self.arena.write(js)
+                    e.json_slot = self._write_json(js)
                     if e.json_slot is None:
                         self._evict_delivered_until(
                             lambda: self.arena.largest_free() >= ArenaWriter.slot_bytes(len(js)), keep=e.fid)
-                        e.json_slot = self.arena.write(js)
+                        e.json_slot = self._write_json(js)
                     if e.json_slot is not None and not e.delivered:
                         self._charge(e, e.charged + e.json_slot.capacity)  # held as long as the result
                 if e.json_slot is None:

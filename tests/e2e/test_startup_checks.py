@@ -3,7 +3,10 @@ descriptor limit (item 6), shared-memory space (item 10) and the listen backlog 
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -257,3 +260,33 @@ def test_pending_ttl_below_the_engine_timeout_is_logged_with_both_numbers():
                             and "TIMEOUT" not in k}) as s:
         pass
     assert not any("futures.pending_ttl_s" in line for line in s.log_lines)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) for a private tmpfs on /dev/shm")
+def test_dev_shm_filled_after_the_start_answers_410_then_429_and_no_encoder_dies():
+    """Another program fills ``/dev/shm`` after the start (the arenas are sparse, checked only at
+    start). Before: the encoder writing a result into a page tmpfs could not back died of SIGBUS,
+    was restarted, died again (16 restarts in 40 s, every future lost). Now the pages are taken
+    with ``posix_fallocate`` before the result is written: the future answers 410 ("... /dev/shm
+    is full; resubmit"), new samples 429 while it stays full, one ERROR line, no encoder dies; once
+    the space is back a sample completes. Runs in a private mount namespace whose ``/dev/shm`` is
+    a 64 MiB tmpfs (``tests/e2e/shm_full_child.py``)."""
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shm_full_child.py")
+    cmd = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {child}"
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", cmd], capture_output=True,
+                          text=True, timeout=100, cwd=str(REPO))
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    seen = json.loads(line[len("RESULT "):])
+    assert seen["first_asample"] == 200
+    st, body = seen["first_retrieve"]
+    assert st == 410 and re.fullmatch(r"future could not be stored \(/dev/shm has no room for the \d+ bytes of a "
+                                      r"result in arena shardserver-\d+-\w+-a0\.0\); resubmit", body["error"]), body
+    st, body = seen["while_full"]
+    assert st == 429 and body["error"].startswith("/dev/shm is full (") \
+        and "shard 0 cannot store results; retry later" in body["error"], body
+    assert seen["after"] == 200 and seen["after_retrieve"][0] == 200 and seen["after_retrieve"][1] > 30000
+    errors = seen["lines"]
+    assert len(errors) == 1 and "encoder 0: /dev/shm has no room for the " in errors[0] \
+        and "/dev/shm is full" in errors[0], errors
