@@ -65,6 +65,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,7 @@ from ..messages import (
 )
 from ..metrics import EncoderTimers, ShardCounters
 from ..shm.arena import ARENA_READ_HOLD_S, SHM_DIR, ArenaSpaceError, ArenaWriter, Slot, shm_free_bytes
+from .journal import CHECK_INTERVAL_S as JOURNAL_CHECK_INTERVAL_S
 from .journal import JOURNAL_DIR, FutureJournal, JournalRecord, JournalUnwritable
 from .ttl import DeadlineBuckets
 
@@ -384,6 +386,7 @@ class EncoderCore:
         self._last_stamp = 0
         self.cursor_tag = cursor_tag
         self.journal = journal
+        self._journal_lost = False  # check_journal logged that the journal cannot be written again
         # Monotonic time of the first ``finish_reason: abort`` since the engine's last answer that
         # was not aborted, or since its last quiet time (ABORT_STREAK_GAP_S); None: it answers.
         # Past engine.unavailable_budget_s, a future out of abort re-forwards fails instead of
@@ -471,19 +474,55 @@ class EncoderCore:
         try:
             j.end(e.fid)
             if j.needs_compaction:
-                wall = time.time() - time.monotonic()  # unix time = monotonic time + wall
-                j.compact(JournalRecord(x.fid, x.key[0], x.key[1] // CLONE_SEQ_SPAN,  # type: ignore[index]
-                                        int(x.created + wall))
-                          for x in self.table.values() if x.journaled)
+                j.compact(self._journal_live())
                 self.counters["journal_compactions"] += 1
         except OSError as exc:
             self._journal_failed(exc)
+
+    def _journal_live(self) -> Iterator[JournalRecord]:
+        """The records of the futures the journal owes a report for (those journaled in the
+        table), ``since`` from their creation time."""
+        wall = time.time() - time.monotonic()  # unix time = monotonic time + wall
+        return (JournalRecord(x.fid, x.key[0], x.key[1] // CLONE_SEQ_SPAN,  # type: ignore[index]
+                              int(x.created + wall))
+                for x in self.table.values() if x.journaled)
 
     def _journal_failed(self, exc: OSError) -> None:
         log.error("shard %d: the futures journal %s failed (%s); futures in flight at a restart will not be "
                   "reported to pollers", self.shard, self.journal.path if self.journal else "", exc)
         self.counters["journal_errors"] += 1
         self.journal = None
+
+    def check_journal(self, now: float | None = None) -> None:
+        """Have the journal see that its file is still there (called at every sweep;
+        :meth:`FutureJournal.check` looks at most every
+        :data:`~shardserver.workers.journal.CHECK_INTERVAL_S`, ``now`` monotonic s). A file that
+        was removed (``server.state_dir`` deleted) or replaced is written again with what is
+        owed now: a WARNING and ``journal_recreated``. One that cannot be: an ERROR and
+        ``journal_errors``, once until it is written again; it is tried again at each check
+        (appends go on meanwhile, to the unlinked file)."""
+        j = self.journal
+        if j is None:
+            return
+        try:
+            what = j.check(self._journal_live, now)
+        except OSError as exc:
+            if not self._journal_lost:
+                self._journal_lost = True
+                self.counters["journal_errors"] += 1
+                log.error("shard %d: the futures journal %s is gone and cannot be written again (%s); futures in "
+                          "flight at a restart will not be reported to pollers until it is (tried again every "
+                          "%.1f s)", self.shard, j.path, exc, JOURNAL_CHECK_INTERVAL_S)
+            return
+        if what == "superseded":
+            log.warning("shard %d: the futures journal %s was taken over by a new encoder of the shard; left to it",
+                        self.shard, j.path)
+        elif what is not None:
+            self._journal_lost = False
+            self.counters["journal_recreated"] += 1
+            log.warning("shard %d: the futures journal %s was %s (server.state_dir deleted? a tmp cleaner?): made "
+                        "its directory again and wrote the %d futures owed a report to a new journal",
+                        self.shard, j.path, what, j.live)
 
     def restore(self, records: list[JournalRecord]) -> int:
         """Hold the futures a predecessor owed a report for (``records``, from the journals
@@ -1584,6 +1623,7 @@ class EncoderProc:
             while True:
                 await asyncio.sleep(cfg.futures.sweep_interval_s)
                 core.sweep()
+                core.check_journal()
                 try:
                     keep_socket()
                 except OSError as exc:

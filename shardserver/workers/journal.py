@@ -21,7 +21,11 @@ before the last space, 8 lowercase hex digits. A
 line whose CRC does not match or that has no final newline (a write cut short) is ignored.
 
 The file is rewritten (the live records to a temporary file, then ``rename``) when a new
-encoder takes it over and when it holds more than ``2 × live + COMPACT_SLACK`` records. The
+encoder takes it over, when it holds more than ``2 × live + COMPACT_SLACK`` records, and when
+:meth:`FutureJournal.check` (the encoder's sweep, at most every ``CHECK_INTERVAL_S``) finds that
+the path no longer names the file being appended to (``server.state_dir`` removed by a tmp
+cleaner or an operator: appends to the unlinked file would still succeed, and the next encoder
+would find nothing to take over); the directory is then made again. The
 writing encoder holds ``flock(LOCK_EX)`` on it; a new encoder waits (up to ``lock_wait_s``) for
 the encoder of a killed gateway that is still shutting down to let go.
 """
@@ -35,17 +39,20 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = ["FutureJournal", "JournalRecord", "JournalTakeover", "JournalUnwritable", "journal_tag", "read_journal",
-           "add_line", "end_line", "COMPACT_SLACK", "JOURNAL_DIR"]
+           "add_line", "end_line", "CHECK_INTERVAL_S", "COMPACT_SLACK", "JOURNAL_DIR"]
 
 log = logging.getLogger("shardserver.journal")
 
 # Records (adds and ends) written beyond twice the live set before the file is rewritten.
 COMPACT_SLACK = 8192
 JOURNAL_DIR = "futures"
+# Seconds between two looks (a stat and an fstat) at whether the journal's path still names the
+# file being appended to (FutureJournal.check); calls in between cost one comparison.
+CHECK_INTERVAL_S = 0.5
 _SUFFIX = ".journal"
 
 
@@ -204,6 +211,33 @@ def _open_locked(path: str, deadline: float) -> int | None:
     return None
 
 
+def _held_by_another(path: str) -> bool:
+    """Whether another open file description holds ``flock`` on the file at ``path`` (a new
+    encoder of the shard that took the journal over); False when ``path`` is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        return not _lock(fd, 0.0)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(directory: str) -> None:
+    """Make ``directory`` and any missing parent with mode 0700 (less the umask), as a start
+    does (``server.state_dir`` is made 0700 with the ID secret, ``futures/`` by
+    :meth:`FutureJournal.open`); owned by this process's user. Raises ``OSError`` (EACCES,
+    ENOSPC, ENOTDIR, ...) when one cannot be made."""
+    parent = os.path.dirname(directory)
+    if parent and parent != directory and not os.path.isdir(parent):
+        _make_dirs(parent)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+
+
 def _remove_stale(directory: str, tag: str, stale_s: float) -> None:
     """Remove the journals in ``directory`` of tags other than ``tag`` that nobody holds and
     that were last written more than ``stale_s`` seconds ago."""
@@ -230,7 +264,8 @@ class FutureJournal:
     """The open journal of one shard (see the module docstring). Made by :meth:`open`.
 
     ``live`` counts the futures added and not ended; the caller ends only what it added (or
-    took over), once.
+    took over), once. ``recreations``: times :meth:`check` wrote the file again after it was
+    removed or replaced; ``superseded``: :meth:`check` found a new encoder's file at the path.
     """
 
     def __init__(self, path: str, fd: int, live: int) -> None:
@@ -239,6 +274,9 @@ class FutureJournal:
         self.live = live
         self.records = live  # records in the file
         self.compactions = 0
+        self.recreations = 0
+        self.superseded = False
+        self._check_at = 0.0  # monotonic s before which check() does not look at the file
 
     @classmethod
     def open(cls, directory: str, tag: str, shard: int, shards: int,
@@ -380,6 +418,12 @@ class FutureJournal:
         Raises:
             OSError: the new file cannot be written (the old one stays in use).
         """
+        self._replace(live)
+        self.compactions += 1
+
+    def _replace(self, live: Iterable[JournalRecord]) -> None:
+        """Write ``live`` to a new file at the path and append to it from now on (see
+        :meth:`compact`; ``OSError`` when it cannot be written, the old file staying in use)."""
         n = 0
 
         def lines() -> Iterable[bytes]:
@@ -392,7 +436,48 @@ class FutureJournal:
         os.close(self.fd)
         self.fd = fd
         self.live = self.records = n
-        self.compactions += 1
+
+    def check(self, live: Callable[[], Iterable[JournalRecord]], now: float | None = None) -> str | None:
+        """See that the path still names the file being appended to: at most once per
+        :data:`CHECK_INTERVAL_S` s of ``now`` (monotonic s, default the clock), one ``stat`` and
+        one ``fstat``; calls in between return None at once.
+
+        The file (or its directory, ``server.state_dir`` included) was removed, or another file
+        that nobody holds locked was put in its place: the directory is made again (mode 0700,
+        as at start) and the file rewritten with ``live()`` (exactly the futures still owed a
+        report, as for :meth:`compact`); appending goes on to the new file. Another file that a
+        process holds locked is a new encoder's of the shard (it took the journal over): it is
+        left alone, and ``superseded`` is set (this journal is not checked again).
+
+        Returns:
+            ``"removed"`` or ``"replaced"`` when the file was written again, ``"superseded"``
+            when a new encoder's file was found, None otherwise.
+
+        Raises:
+            OSError: the file cannot be looked at or written again (EACCES, ENOSPC, ...):
+                appending goes on to the old file (unlinked: lost at a restart), and a call
+                :data:`CHECK_INTERVAL_S` s later tries again.
+        """
+        now = time.monotonic() if now is None else now
+        if self.fd < 0 or self.superseded or now < self._check_at:
+            return None
+        self._check_at = now + CHECK_INTERVAL_S
+        mine = os.fstat(self.fd)
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            what = "removed"
+        else:
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                return None
+            if _held_by_another(self.path):
+                self.superseded = True
+                return "superseded"
+            what = "replaced"
+        _make_dirs(os.path.dirname(self.path))
+        self._replace(live())
+        self.recreations += 1
+        return what
 
     def close(self) -> None:
         """Close the file (it stays for the next encoder of the shard; an empty one is removed)."""

@@ -435,3 +435,52 @@ def test_encoder_sigkill_its_futures_are_reported_failed_and_the_sdk_resubmits()
         assert sdk_lost >= 0
         assert _http_count(s.url, "asample") == 6 + 16 + sdk_lost
         service.holder.close()
+
+
+def test_state_dir_deleted_mid_run_the_journal_is_written_again_and_a_respawn_reports_its_futures(tmp_path):
+    """Break tester F1: ``server.state_dir`` deleted mid-run (a tmp cleaner, ``rm -rf``) left the
+    encoder appending to an unlinked journal, so the next encoder of the shard found nothing to
+    take over and those samples waited forever. The encoder's sweep now writes the journal again
+    (its directory made again) with every future owed a report, logging a WARNING; its
+    successor (the encoder SIGKILLed and respawned) reports them all as failed."""
+    import glob
+    import shutil
+    import signal
+
+    from shardserver.workers.journal import read_journal
+
+    state = tmp_path / "state"
+    env = {"SHARDSERVER_SHARDS__COUNT": "1", "SHARDSERVER_SERVER__FRONT_ENDS": "1",
+           "SHARDSERVER_SHARDS__ARENA_BYTES": str(16 * 1024 * 1024), "SHARDSERVER_SIMULATOR__LATENCY_S": "30",
+           "SHARDSERVER_SERVER__GRACEFUL_SHUTDOWN_S": "1", "SHARDSERVER_SERVER__STATE_DIR": str(state), **POLLER_ON}
+    with RunningServer(env=env) as s:
+        api = Api(s.url)
+        ssid = api.sampling_session()
+        rids = [api.submit(ssid, [9, i], seq_id=i, max_tokens=4, seed=i) for i in range(3)]
+        shutil.rmtree(state)
+        rids.append(api.submit(ssid, [9, 3], seq_id=3, max_tokens=4, seed=3))  # accepted after the removal
+
+        def journaled() -> set[str]:
+            files = glob.glob(str(state / "futures" / "*.0.journal"))
+            return set(read_journal(open(files[0], "rb").read())[0]) if len(files) == 1 else set()
+
+        assert _wait(lambda: journaled() == set(rids), timeout=5), (journaled(), rids)
+        assert _wait(lambda: any("WARNING" in ln and "journal" in ln and "was removed" in ln for ln in s.log_lines),
+                     timeout=2), s.log_lines[-10:]
+        assert (state.stat().st_mode & 0o777, (state / "futures").stat().st_mode & 0o777) == (0o700, 0o700)
+        old_pid = s.stats()["shards"][0]["pid"]
+        os.kill(old_pid, signal.SIGKILL)
+        got: dict[str, dict] = {}
+        cursor = 0
+        deadline = time.monotonic() + 30
+        while len(got) < len(rids) and time.monotonic() < deadline:
+            st, js = _poll(api, ssid, cursor, timeout=5, http_timeout=15)
+            if st == 503:
+                time.sleep(0.2)
+                continue
+            assert st == 200, js
+            cursor = js["cursor"]
+            got.update((c["request_id"], c) for c in js["completions"])
+        assert got == {rid: {"state": "failed", "request_id": rid} for rid in rids}
+        assert s.stats()["shards"][0]["counters"].get("restored_lost", 0) == len(rids)
+        assert not any("journal" in ln and "ERROR" in ln for ln in s.log_lines)

@@ -427,3 +427,113 @@ def test_a_restored_future_keeps_its_first_age_over_restarts(tmp_path, make_core
         assert rec == JournalRecord("f-old", "s", 0, 0)
 
     asyncio.run(go())
+
+
+# -- the journal's file removed under it (server.state_dir deleted mid-run) -------------------
+
+def test_a_removed_or_replaced_journal_is_written_again_with_what_is_owed(tmp_path):
+    """Break tester F1: ``server.state_dir`` removed mid-run (a tmp cleaner, ``rm -rf``) left the
+    encoder appending to an unlinked file, so a restart found nothing to take over. ``check``
+    (at most every CHECK_INTERVAL_S) now makes the directories again (0700) and writes the
+    futures owed a report to a new file; a file put in its place is replaced the same way."""
+    import shutil
+    import stat
+
+    state = tmp_path / "state"
+    d = state / "futures"
+    path = d / f"{TAG}.0.journal"
+    j, _ = FutureJournal.open(str(d), TAG, 0, 1)
+    live = {_fid(i): JournalRecord(_fid(i), "s", i, NOW) for i in range(3)}
+    for r in live.values():
+        j.add(r.fid, r.sid, r.clone)
+    j.end(_fid(1))
+    del live[_fid(1)]
+    assert j.check(lambda: live.values(), now=100.0) is None  # the file is there: nothing done
+    shutil.rmtree(state)
+    j.add(_fid(7), "t", 7)  # still succeeds (the unlinked file)
+    live[_fid(7)] = JournalRecord(_fid(7), "t", 7, NOW)
+    assert j.check(lambda: live.values(), now=100.0 + jmod.CHECK_INTERVAL_S / 2) is None  # not due yet
+    assert not state.exists()
+    assert j.check(lambda: live.values(), now=100.0 + jmod.CHECK_INTERVAL_S) == "removed"
+    assert stat.S_IMODE(state.stat().st_mode) == stat.S_IMODE(d.stat().st_mode) == 0o700 & ~_umask()
+    assert read_journal(path.read_bytes()) == (live, 0)
+    assert (j.live, j.records, j.recreations, j.compactions) == (3, 3, 1, 0)
+    j.end(_fid(0))  # appending goes on to the new file
+    del live[_fid(0)]
+    assert read_journal(path.read_bytes()) == (live, 0)
+    # Another file put in its place (nobody holds it): replaced by the owed set.
+    path.unlink()
+    path.write_bytes(jmod.add_line(_fid(50), "x", 0))
+    assert j.check(lambda: live.values(), now=200.0) == "replaced"
+    assert read_journal(path.read_bytes()) == (live, 0) and j.recreations == 2
+    # A restart takes over exactly what is owed.
+    os.close(j.fd)  # SIGKILL
+    j2, took = FutureJournal.open(str(d), TAG, 0, 1)
+    assert took.records == list(live.values()) == [JournalRecord(_fid(2), "s", 2, NOW),
+                                                   JournalRecord(_fid(7), "t", 7, NOW)]
+    j2.close()
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def test_a_successors_journal_is_left_alone(tmp_path):
+    """A new encoder of the shard took the journal over (it renamed its file over the path and
+    holds its lock) while the old one still runs: ``check`` leaves the successor's file alone."""
+    j, _ = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+    j.add(_fid(1), "s", 0)
+    j2, took = FutureJournal.open(str(tmp_path), TAG, 0, 1, lock_wait_s=0.0)
+    assert [r.fid for r in took.records] == [_fid(1)]
+    j2.end(_fid(1))
+    before = (tmp_path / f"{TAG}.0.journal").read_bytes()
+    assert j.check(lambda: [JournalRecord(_fid(9), "z", 0)], now=1.0) == "superseded"
+    assert j.superseded and j.check(lambda: [], now=10.0) is None
+    assert (tmp_path / f"{TAG}.0.journal").read_bytes() == before and j.recreations == 0
+    os.close(j.fd)
+    j2.close()
+
+
+def test_the_core_rewrites_a_removed_journal_or_reports_once_that_it_cannot(tmp_path, make_core, caplog):
+    """The encoder's sweep (``EncoderCore.check_journal``): ``state_dir`` deleted and a file put
+    in its place (the journal cannot be made again): one ERROR and ``journal_errors`` 1 however
+    often it is tried; once the way is clear, a WARNING, ``journal_recreated`` 1, and the file
+    holds every future owed a report, which a new encoder reports as failed."""
+    import logging
+    import shutil
+
+    async def go():
+        state = tmp_path / "state"
+        d = state / "futures"
+        j, _ = FutureJournal.open(str(d), TAG, 0, 1)
+        a = make_core(j)
+        pend = [_submit(a, "sidA", 1), _submit(a, "sidA", 2)]
+        shutil.rmtree(state)
+        state.write_bytes(b"not a directory")
+        pend.append(_submit(a, "sidB", 3))
+        with caplog.at_level(logging.WARNING, logger="shardserver.encoder"):
+            for k in range(3):
+                a.check_journal(now=1000.0 + k)
+            assert a.counters["journal_errors"] == 1 and a.counters["journal_recreated"] == 0
+            errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(errors) == 1 and str(d / f"{TAG}.0.journal") in errors[0].getMessage()
+            assert a.journal is j  # kept, and tried again
+            state.unlink()
+            a.check_journal(now=1010.0)
+            a.check_journal(now=1020.0)
+        assert a.counters["journal_errors"] == 1 and a.counters["journal_recreated"] == 1
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "was removed" in warnings[0] and "3 futures" in warnings[0]
+        os.close(j.fd)  # SIGKILL
+        j2, took = FutureJournal.open(str(d), TAG, 0, 1)
+        assert [(r.fid, r.sid, r.clone) for r in took.records] == [(pend[0], "sidA", 0), (pend[1], "sidA", 0),
+                                                                   (pend[2], "sidB", 0)]
+        b = make_core(j2)
+        assert b.restore(took.records) == 3
+        r = await b.session_poll(SessionPollRequest(sid="sidB", clone=0, after=0, upto=time.monotonic_ns(), limit=10))
+        assert [(ev.fid, ev.ok) for ev in r.events] == [(pend[2], False)]
+        j2.close()
+
+    asyncio.run(go())
