@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 
 __all__ = ["IdSigner", "FutureIdStatus", "shard_of", "SamplingSession", "HOST_ID_RE", "future_host", "IdSecret",
-           "load_id_secret", "ID_SECRET_FILE", "MIN_SECRET_CHARS", "CURSOR_TAG_SPAN", "cursor_tag"]
+           "load_id_secret", "restore_secret_file", "ID_SECRET_FILE", "MIN_SECRET_CHARS", "CURSOR_TAG_SPAN", "cursor_tag"]
 
 ID_SECRET_FILE = "id_secret"
 MIN_SECRET_CHARS = 16
@@ -299,15 +299,32 @@ def _read_or_create_secret(path: str) -> IdSecret:
     return IdSecret(secret, path, persistent=True, created=created, warnings=warnings)
 
 
-def _create_secret_file(path: str) -> bool:
-    """Create ``path`` with a fresh secret; False if another process created it first."""
+def restore_secret_file(secret: IdSecret) -> bool:
+    """Write the file a persistent secret came from again if it is gone (a ``/tmp`` cleaner or
+    an ``rm -rf`` of ``server.state_dir`` mid-run), with the same secret, mode 0600 (its
+    directories made again with mode 0700), so that the next run signs IDs as this one does and
+    the SDK's sessions survive the restart. Returns True when it wrote the file; False when
+    the file is there, or the secret did not come from a file.
+
+    Raises:
+        OSError: the file is missing and cannot be written.
+    """
+    path = secret.source
+    if not secret.persistent or path in ("server.id_secret", "random") or os.path.lexists(path):
+        return False
+    return _create_secret_file(path, secret.secret + b"\n")
+
+
+def _create_secret_file(path: str, content: bytes | None = None) -> bool:
+    """Create ``path`` with ``content`` (default: a fresh secret); False if another process
+    created it first."""
     directory = os.path.dirname(path)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
         try:
-            os.write(fd, (os.urandom(32).hex() + "\n").encode())
+            os.write(fd, content if content is not None else (os.urandom(32).hex() + "\n").encode())
             os.fsync(fd)
         finally:
             os.close(fd)

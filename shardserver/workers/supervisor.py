@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 from ..api.auth import load_key_table
 from ..config import Config, mask_url
-from ..ids import load_id_secret
+from ..ids import load_id_secret, restore_secret_file
 from ..prometheus_dir import mark_process_dead, prepare_prometheus_dir
 from .liveness import Heartbeats
 from ..shm.arena import (SHM_DIR, check_shm_space, create_segment, pid_alive, remove_stale_segments, segment_name,
@@ -262,6 +262,7 @@ class Supervisor:
                     cfg, futures=dataclasses.replace(cfg.futures, retrieve_futures=False))
         self.run_dir = ""
         self._run_dir_checked = 0.0  # monotonic time of the last look at the run directory
+        self._secret_error_logged = False  # the ERROR about an unwritable secret file was logged
         self._run_dir_touched = time.monotonic()
         self.sock: socket.socket | None = None
         self.sim_sock: socket.socket | None = None
@@ -574,9 +575,27 @@ class Supervisor:
             return
         self._restart(child)
 
+    def _keep_id_secret(self) -> None:
+        """Write the ID signing secret's file again (same secret) if it was removed with
+        ``server.state_dir`` mid-run: otherwise the next start would create a new secret and
+        every SDK session and future ID of this run would be refused (404) after a restart.
+        WARNING when written, ERROR once while it cannot be."""
+        try:
+            if restore_secret_file(self.id_secret):
+                log.warning("the ID signing secret file %s was removed (with server.state_dir?): written again with "
+                            "this run's secret, so sessions survive the next restart", self.id_secret.source)
+            self._secret_error_logged = False
+        except OSError as exc:
+            if not self._secret_error_logged:
+                self._secret_error_logged = True
+                log.error("the ID signing secret file %s was removed and cannot be written again (%s): the next "
+                          "start creates a new secret and the SDK's sessions of this run end", self.id_secret.source,
+                          exc.strerror or exc)
+
     def _keep_run_dir(self, now: float | None = None) -> None:
         """Keep the run directory (control sockets, metrics files) under ``/tmp`` cleaners: every
-        :data:`RUN_DIR_CHECK_S` recreate it if it was removed (the encoders notice their socket
+        :data:`RUN_DIR_CHECK_S` write the ID signing secret's file again if it went with
+        ``server.state_dir`` (:meth:`_keep_id_secret`), recreate it if it was removed (the encoders notice their socket
         gone and bind it again, and every process writes its metrics files again:
         :func:`~shardserver.prometheus_dir.restore_removed_files`),
         and every :data:`RUN_DIR_TOUCH_S` touch it and what it holds, so that a cleaner by age
@@ -585,6 +604,7 @@ class Supervisor:
         if not self.run_dir or now < self._run_dir_checked + RUN_DIR_CHECK_S:
             return
         self._run_dir_checked = now
+        self._keep_id_secret()
         metrics = os.path.join(self.run_dir, "metrics")
         if not os.path.isdir(metrics):
             try:

@@ -457,6 +457,7 @@ def test_state_dir_deleted_mid_run_the_journal_is_written_again_and_a_respawn_re
         api = Api(s.url)
         ssid = api.sampling_session()
         rids = [api.submit(ssid, [9, i], seq_id=i, max_tokens=4, seed=i) for i in range(3)]
+        secret = (state / "id_secret").read_bytes()
         shutil.rmtree(state)
         rids.append(api.submit(ssid, [9, 3], seq_id=3, max_tokens=4, seed=3))  # accepted after the removal
 
@@ -484,3 +485,10 @@ def test_state_dir_deleted_mid_run_the_journal_is_written_again_and_a_respawn_re
         assert got == {rid: {"state": "failed", "request_id": rid} for rid in rids}
         assert s.stats()["shards"][0]["counters"].get("restored_lost", 0) == len(rids)
         assert not any("journal" in ln and "ERROR" in ln for ln in s.log_lines)
+        # The ID signing secret went with the directory: written again, the same, so the next start
+        # signs as this run does (before: a new secret, and every session of this run got 404).
+        path = state / "id_secret"
+        assert _wait(lambda: path.exists(), timeout=7), s.log_lines[-10:]
+        assert path.read_bytes() == secret and path.stat().st_mode & 0o777 == 0o600
+        assert any("WARNING" in ln and "the ID signing secret file" in ln and "written again" in ln
+                   for ln in s.log_lines)
