@@ -403,12 +403,6 @@ class _Connection(asyncio.BufferedProtocol):
                 if self.head_bytes >= MAX_HEAD_BYTES:
                     raise BadResponse(f"answer header section over {MAX_HEAD_BYTES} bytes")
                 self.head_bytes += nbytes
-                pool = self.pool
-                if x.watch is None and pool.read_idle_s > 0:
-                    # Judged from the answer's first byte (EnginePool._watch): a peer that stops
-                    # inside the header section is as silent as one that stops inside the body.
-                    x.watch = asyncio.get_running_loop().call_later(
-                        pool.read_idle_s, pool._watch, self, x, x.received)
             direct = x.direct
             p = self.parser
             if p is None:  # the answer's first byte
@@ -474,6 +468,11 @@ class _Connection(asyncio.BufferedProtocol):
         if x is not None and x.complete:
             self.dirty = True  # a second answer to one request
             raise _Stop()
+        pool = self.pool
+        if x is not None and x.watch is None and pool.read_idle_s > 0:
+            # Judged from the answer's first byte (EnginePool._watch): a peer that stops inside
+            # the header section is as silent as one that stops inside the body.
+            x.watch = asyncio.get_running_loop().call_later(pool.read_idle_s, pool._watch, self, x, x.received)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         x = self.x
@@ -563,7 +562,12 @@ class _Connection(asyncio.BufferedProtocol):
     def on_message_complete(self) -> None:
         x = self.x
         if x.interim:
+            # A 1xx (103 Early Hints, 100 Continue) is complete: the real answer may come as late
+            # as the request runs. Not judged until its first byte (on_message_begin).
             x.interim = False
+            if x.watch is not None:
+                x.watch.cancel()
+                x.watch = None
             return
         self._end_body()
 
@@ -1175,8 +1179,6 @@ class EnginePool:
         if x.waiter.done() or conn.x is not x:
             return
         # (a paused body, waiting for room in budget_bytes, is not read on purpose: not judged)
-        # (after an interim 1xx answer the real one may take as long as the request runs: not judged
-        # until its header section is complete)
         if not x.paused and not x.interim and x.received == seen:
             where = f"after {x.got} body bytes" if x.headers_done else \
                 f"inside the answer's header section ({conn.head_bytes} bytes)"

@@ -556,8 +556,11 @@ class ArenaWriter:
         space is reused only after :attr:`hold_s` (:meth:`release_held`)."""
         if self._mm.closed:
             return
-        struct.pack_into("<Q", self._mm, slot.offset, 0)
         committed = slot.generation != 0
+        if committed:
+            # (a slot never committed has no header to clear, and its page may not be backed: a
+            # write there after posix_fallocate failed would be the SIGBUS it was to prevent)
+            struct.pack_into("<Q", self._mm, slot.offset, 0)
         slot.generation = 0
         self.live_slots -= 1
         if committed and hold and self.hold_s > 0:

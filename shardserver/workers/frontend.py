@@ -69,7 +69,8 @@ class DrainingServer(uvicorn.Server):
                         self._ctx.index, cfg.max_connections, cap, soft)
         auth = self._ctx.cfg.auth
         listener = self.listener = Listener(sockets[0], cap, self._ctx.index,
-                                            key_share=auth.key_share if auth.mode == "keys" else 0.0)
+                                            key_share=auth.key_share if auth.mode == "keys" else 0.0,
+                                            keys_mode=auth.mode == "keys")
         limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, self._ctx.index, cfg.max_header_bytes,
                                   linger_bytes=2 * cfg.max_request_bytes, private_arena_copy=auth.mode == "keys")
         state, config = self.server_state, self.config

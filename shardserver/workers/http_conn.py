@@ -76,6 +76,11 @@ DRAIN_IDLE_S = 0.5
 # At the cap, only connections waiting on their client at least this long are closed to make room
 # (one idle for less is likely to carry a request right now; a request takes milliseconds to send).
 EVICT_MIN_IDLE_S = 1.0
+# A request still arriving moves its connection's waiting clock (EVICT_MIN_IDLE_S) on by each
+# this many bytes received: a slow upload that keeps sending is not closed at the cap, a
+# slowloris (a few bytes now and then) is.
+EVICT_PROGRESS_BYTES = 4096
+_EVICTED_BODY = b"request not complete within 1 s while the front-end is at server.max_connections; retry\n"
 # accept() failed for lack of file descriptors or memory: stop accepting this long.
 ACCEPT_ERROR_PAUSE_S = 0.5
 # File descriptors kept free for everything but client connections (control sockets, arenas,
@@ -240,6 +245,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.arena_guard: tuple[Any, int, int] | None = None
         self.arena_cut = False      # an arena write found the slot freed: the response must be cut
         self.owner: str | None = None  # the API key's owner tag its first authenticated request had
+        self.answered = 0           # responses completed on this connection
+        self._progress = 0          # bytes of the request in progress since its waiting clock last moved
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, phase: str, seconds: float) -> None:
@@ -388,6 +395,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         return None
 
     def data_received(self, data: bytes) -> None:
+        if self.idle_since and self._started:
+            self._progress += len(data)
+            if self._progress >= EVICT_PROGRESS_BYTES:
+                self._wait_on_client()  # a request that keeps arriving is not a stalled one
         if self._phase == "drain":
             self._disarm()
         if self._linger_left is not None:
@@ -476,6 +487,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self.answered += 1
         cycle = self.cycle
         early = cycle is not None and cycle.more_body  # answered before the request's body was complete
         queued = bool(self.pipeline)  # (super() starts the next pipelined request, if any)
@@ -505,6 +517,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         once :data:`EVICT_MIN_IDLE_S` has passed, the listener may close it to make room at the
         cap (:meth:`Listener._evictable`). A request that is complete is served, not evictable."""
         self.idle_since = time.monotonic()
+        self._progress = 0
         if self._listener is not None:
             self._listener.idle(self)
 
@@ -685,9 +698,20 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.begin_drain()
 
     def evict(self) -> None:
-        """Close this idle keep-alive connection to make room under the cap."""
+        """Close this connection, which waits on its client, to make room under the cap. A request
+        that started and is not answered yet is answered ``503`` (``Retry-After: 1``,
+        ``Connection: close``; the SDK retries it) first; a connection between requests is just
+        closed."""
         self._disarm(cancel=True)
         CONNECTIONS_EVICTED.inc()
+        cycle = self.cycle
+        if self._started and (cycle is None or not cycle.response_started) and not self.transport.is_closing():
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # the app's receive() answers http.disconnect, its send() is a no-op
+                cycle.message_event.set()
+            self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                 b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(_EVICTED_BODY), _EVICTED_BODY))
         self.transport.close()
 
 
@@ -705,11 +729,17 @@ class Listener:
         max_connections: open connections at which accepting stops (see
             :func:`effective_max_connections`).
         front_end: this front-end's index, for log lines.
+        key_share: ``auth.key_share`` in keys mode (the share of the connections one key may
+            hold); 0: no per-key bound.
+        keys_mode: ``auth.mode = "keys"``.
     """
 
     def __init__(self, sock: socket.socket, max_connections: int, front_end: int = 0,
-                 key_share: float = 0.0) -> None:
+                 key_share: float = 0.0, keys_mode: bool = False) -> None:
         self.sock = sock
+        # auth.mode = "keys": at the cap, connections that never authenticated make room first
+        # (_evictable)
+        self.keys_mode = keys_mode
         self.max_connections = max_connections
         self.front_end = front_end
         # auth.key_share (keys mode; 0: no per-key bound): the connections one key may hold here.
@@ -818,18 +848,27 @@ class Listener:
         for new clients. A request that is complete is being served and is never closed here; one
         whose next request already waits unread in its socket is passed over (closing it would
         reset that request)."""
-        for proto in self._idle:
-            if proto.unread_bytes():
-                continue  # its next request is already here, unread (the loop was busy): not idle
-            idle_s = time.monotonic() - proto.idle_since
+        now = time.monotonic()
+        recheck = EVICT_MIN_IDLE_S
+        for proto in self._idle:  # oldest wait first
+            idle_s = now - proto.idle_since
             if idle_s >= EVICT_MIN_IDLE_S:
+                if proto.unread_bytes():
+                    continue  # its next request is already here, unread (the loop was busy): not idle
                 return proto
-            self._pause_at_cap(EVICT_MIN_IDLE_S - idle_s)
-            return None
-        # None waits on its client now, or each that does has its next request unread, or was
-        # accepted and not made yet (connect_accepted_socket runs in a task): look again later,
+            # Every connection from here on has waited less. In keys mode, one that never
+            # authenticated and sits between requests (it was answered, e.g. GET /healthz: a
+            # public path) goes at once: otherwise such connections, each re-sending a cheap
+            # request more often than every EVICT_MIN_IDLE_S, would hold every slot against
+            # every key (they count against no key's share).
+            recheck = min(recheck, EVICT_MIN_IDLE_S - idle_s)
+            if self.keys_mode and proto.owner is None and proto.answered and not proto._started \
+                    and not proto.unread_bytes():
+                return proto
+        # None has waited long enough, or each that has has its next request unread, or they
+        # were accepted and not made yet (connect_accepted_socket runs in a task): look again,
         # or a peer that never completes a request would hold these slots until its timeouts.
-        self._pause_at_cap(EVICT_MIN_IDLE_S)
+        self._pause_at_cap(recheck)
         return None
 
     def _evict(self, proto: GatewayHttpProtocol) -> None:

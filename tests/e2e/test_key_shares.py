@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 import time
 
 import numpy as np
@@ -251,3 +252,128 @@ def test_connections_that_never_complete_a_request_make_room_at_the_cap(tmp_path
             for c in flood:
                 c.close()
         assert metric_sum(s.url, "shardserver_connections_evicted_total") >= 9
+
+
+def _raw_request(method: str, path: str, key: str | None, body: bytes = b"") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if key is not None:
+        head += f"X-API-Key: {key}\r\n"
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _read_response(c: socket.socket, timeout: float) -> tuple[int, bytes]:
+    """(status, body) of one response with a Content-Length; (0, b"") when the peer closed first."""
+    c.settimeout(timeout)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = c.recv(65536)
+        if not chunk:
+            return 0, b""
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(rest) < length:
+        chunk = c.recv(65536)
+        if not chunk:
+            return 0, b""
+        rest += chunk
+    return int(head.split()[1]), rest[:length]
+
+
+def test_at_the_cap_a_slow_upload_that_keeps_sending_stays_and_unkeyed_pingers_make_room(tmp_path):
+    """Connection cap 16, all held: 13 long-polls of keys A and C, a slow but steady ``asample`` upload
+    (80 KB at 40 KB/s), a slowloris (half a request head, then nothing) and a client without a
+    key re-sending ``GET /healthz`` (a public path) every 0.3 s. Then key B and key C connect.
+
+    * B takes the slowloris's slot: it waited a second without progress; it is answered 503
+      (``Retry-After``) before being closed.
+    * C takes the key-less pinger's slot at once (keys mode: a connection that never
+      authenticated makes room first). Before, it was never idle a whole second, so such
+      pingers held every slot against every key (break tester round 2, F2).
+    * The upload keeps its slot and is answered 200: each 4 KiB received moves its clock. Before,
+      a request was closed a second after its first byte however fast it was arriving (F1).
+    """
+    cfg = tmp_path / "keys.toml"
+    cfg.write_text(CONFIG)
+    env = {"SHARDSERVER_API_KEYS": ",".join((KEY_A, KEY_B, KEY_C)), "SHARDSERVER_SERVER__MAX_CONNECTIONS": "16"}
+    with RunningServer(cfg, env=env) as s:
+        a, b, c = KeyApi(s.url, KEY_A), KeyApi(s.url, KEY_B), KeyApi(s.url, KEY_C)
+        sa, sb, sc = a.sampling_session(), b.sampling_session(), c.sampling_session()
+        _, _, fa = a.asample(sa, 0, [HUNG, 0], 1, 4)
+        _, _, fb = b.asample(sb, 0, [HUNG, 1], 1, 4)
+        _, _, fc = c.asample(sc, 0, [HUNG, 2], 1, 4)
+        conns: list[socket.socket] = []
+        stop = threading.Event()
+        out: dict[str, object] = {}
+
+        def connect() -> socket.socket:
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+            conns.append(c)
+            return c
+
+        def poll_body(rid: str) -> bytes:
+            return json.dumps({"request_id": rid}).encode()
+
+        def upload() -> None:
+            c = connect()
+            body = json.dumps({"sampling_session_id": sa, "seq_id": 1, "num_samples": 1,
+                               "prompt": {"chunks": [{"tokens": list(range(100000, 113000))}]},
+                               "sampling_params": {"max_tokens": 4, "seed": 1}}).encode()
+            req = _raw_request("POST", "/api/v1/asample", KEY_A, body)
+            t0 = time.monotonic()
+            try:
+                for i in range(0, len(req), 4096):
+                    c.sendall(req[i:i + 4096])
+                    time.sleep(0.1)
+                out["upload"] = _read_response(c, 10)
+            except OSError as exc:
+                out["upload"] = (0, repr(exc).encode())
+            out["upload_s"] = time.monotonic() - t0
+
+        def pinger() -> None:
+            c = connect()
+            n = 0
+            try:
+                while not stop.is_set() and n < 100:
+                    c.sendall(_raw_request("GET", "/healthz", None))
+                    if _read_response(c, 5)[0] != 200:
+                        break
+                    n += 1
+                    time.sleep(0.3)
+            except OSError:
+                pass
+            out["pings"] = n
+
+        try:
+            # 16 = 7 + 6 held long-polls (a key may hold 8 connections of a front-end), the upload
+            # (key A's 8th), the pinger, the slowloris.
+            for key, f, n in ((KEY_A, fa, 7), (KEY_C, fc, 6)):
+                for _ in range(n):
+                    connect().sendall(_raw_request("POST", "/api/v1/retrieve_future", key, poll_body(f["request_id"])))
+            threads = [threading.Thread(target=upload), threading.Thread(target=pinger)]
+            for t in threads:
+                t.start()
+            loris = connect()
+            loris.sendall(b"POST /api/v1/asample HTTP/1.1\r\nHost: x\r\n")
+            time.sleep(1.3)
+            t0 = time.monotonic()
+            cb = connect()
+            cb.sendall(_raw_request("POST", "/api/v1/retrieve_future", KEY_B, poll_body(fb["request_id"])))
+            st, body = _read_response(loris, 5)  # evicted to make room for B
+            assert (st, body) == (503, b"request not complete within 1 s while the front-end is at "
+                                       b"server.max_connections; retry\n"), (st, body)
+            waited_b = time.monotonic() - t0
+            t0 = time.monotonic()
+            st, _, _ = http_json(s.url + "/api/v1/create_session", {"tags": [], "user_metadata": {}},
+                                 headers={"X-API-Key": KEY_C}, timeout=10)
+            waited_c = time.monotonic() - t0
+            assert st == 200
+            for t in threads:
+                t.join(20)
+            assert out["upload"][0] == 200 and b'"request_id"' in out["upload"][1], out
+            assert waited_b < 1.0 and waited_c < 1.0, (waited_b, waited_c)
+            assert 3 <= out["pings"] <= 10, out  # it was pinging, and its connection was taken
+        finally:
+            stop.set()
+            for c in conns:
+                c.close()

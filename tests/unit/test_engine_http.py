@@ -749,6 +749,24 @@ def test_an_answer_that_goes_silent_after_its_first_byte_is_a_broken_connection(
     run(main())
 
 
+def test_an_interim_answer_then_a_long_computation_is_not_taken_for_silence() -> None:
+    """A 1xx (``103 Early Hints``) at once, then the real answer after a computation longer than
+    ``read_idle_s``: one request, answered. The read-idle watch stops when the 1xx is complete
+    and starts again at the real answer's first byte. (With the watch started at the first byte
+    of any answer, the 1xx's, the silence after it was judged a stall: Broken, re-forwarded, and
+    the same again each time: a re-forward loop.)"""
+    early = [b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"] + [b""] * 60 + [ok()]
+
+    async def main() -> None:
+        async with Script([early]) as s:
+            pool, held = pool_for(s.url, read_idle_s=0.25)
+            status, body, _ = await pool.post(b"{}", {}, limit=1 << 20)
+            assert (status, bytes(body)) == (200, BODY)
+            assert len(s.requests) == 1
+            await pool.close()
+    run(main())
+
+
 def test_a_connection_waiting_for_its_answer_holds_no_parser_and_no_timer() -> None:
     """Up to engine.pool_size engine calls wait on the engine at once (2048 per encoder in the
     soak, each for the engine's whole queueing time): until the first byte of the answer the
