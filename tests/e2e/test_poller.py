@@ -104,6 +104,23 @@ def _poll(api: Api, ssid: str, cursor: int = 0, timeout=None, acks=(), clone: in
     return st, json.loads(b)
 
 
+def _collect(api: Api, ssid: str, want: int, within_s: float = 30) -> dict[str, dict]:
+    """Poll the session from cursor 0 (5 s holds; a 503 while a shard restarts is retried) until
+    ``want`` completions came or ``within_s`` passed: ``{request_id: completion}``."""
+    got: dict[str, dict] = {}
+    cursor = 0
+    deadline = time.monotonic() + within_s
+    while len(got) < want and time.monotonic() < deadline:
+        st, js = _poll(api, ssid, cursor, timeout=5, http_timeout=15)
+        if st == 503:
+            time.sleep(0.2)
+            continue
+        assert st == 200, js
+        cursor = js["cursor"]
+        got.update((c["request_id"], c) for c in js["completions"])
+    return got
+
+
 # -- the real SDKs, poller on -------------------------------------------------------------------
 @pytest.mark.sdk
 def test_sdk_038_samples_through_the_poller(server):
@@ -401,17 +418,7 @@ def test_encoder_sigkill_its_futures_are_reported_failed_and_the_sdk_resubmits()
         os.kill([sh["pid"] for sh in before if sh["shard"] == victim][0], signal.SIGKILL)
         # By hand: the session's poller gets the victim's futures as failed (503 while the shard
         # restarts), the other shard's as finished once the engine answers.
-        got: dict[str, dict] = {}
-        cursor = 0
-        deadline = time.monotonic() + 30
-        while len(got) < 6 and time.monotonic() < deadline:
-            st, js = _poll(api, ssid, cursor, timeout=5, http_timeout=15)
-            if st == 503:
-                time.sleep(0.2)
-                continue
-            assert st == 200, js
-            cursor = js["cursor"]
-            got.update((c["request_id"], c) for c in js["completions"])
+        got = _collect(api, ssid, 6)
         assert sorted(got) == sorted(rids)
         for rid in rids:
             if shard_of(rid, 2) == victim:
@@ -471,17 +478,7 @@ def test_state_dir_deleted_mid_run_the_journal_is_written_again_and_a_respawn_re
         assert (state.stat().st_mode & 0o777, (state / "futures").stat().st_mode & 0o777) == (0o700, 0o700)
         old_pid = s.stats()["shards"][0]["pid"]
         os.kill(old_pid, signal.SIGKILL)
-        got: dict[str, dict] = {}
-        cursor = 0
-        deadline = time.monotonic() + 30
-        while len(got) < len(rids) and time.monotonic() < deadline:
-            st, js = _poll(api, ssid, cursor, timeout=5, http_timeout=15)
-            if st == 503:
-                time.sleep(0.2)
-                continue
-            assert st == 200, js
-            cursor = js["cursor"]
-            got.update((c["request_id"], c) for c in js["completions"])
+        got = _collect(api, ssid, len(rids))
         assert got == {rid: {"state": "failed", "request_id": rid} for rid in rids}
         assert s.stats()["shards"][0]["counters"].get("restored_lost", 0) == len(rids)
         assert not any("journal" in ln and "ERROR" in ln for ln in s.log_lines)
