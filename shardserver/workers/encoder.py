@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..aio import RateLimitedLog
 from ..codec import CompletionDecoder, encode_sample_response, plan_sample_response, sample_response_to_json
 from ..config import Config, mask_url
 from ..control import serve_control
@@ -398,10 +399,9 @@ class EncoderCore:
         # see ABORT_ROUNDS. An entry goes when its content is answered, or past ABORT_HISTORY_MAX.
         self._abort_history: collections.OrderedDict[bytes, list] = collections.OrderedDict()
         self._finished = 0
-        self._abort_log_at = -1e18  # monotonic time of the last WARNING about a 410 after aborts
+        self._abort_log = RateLimitedLog(log, logging.WARNING, ABORT_LOG_EVERY_S)  # 410s after aborts
         self._shm_full_at = 0.0  # monotonic time /dev/shm last had no room for a result (0: never)
-        self._shm_full_log_at = -1e18
-        self._abort_log_folded = 0  # such 410s since that line
+        self._shm_full_log = RateLimitedLog(log, logging.ERROR, SHM_FULL_LOG_EVERY_S)
 
     # -- helpers -------------------------------------------------------------------------
     def _set_deadline(self, e: FutureEntry, ttl: float, now: float | None = None) -> None:
@@ -1061,17 +1061,12 @@ class EncoderCore:
                 and now - history[0] >= ec.unavailable_budget_s and self._finished > history[2])
 
     def _log_abort_gone(self, e: FutureEntry, aborts: int) -> None:
-        """WARNING (at most every :data:`ABORT_LOG_EVERY_S`, folding the others) that a future
+        """WARNING (at most every :data:`ABORT_LOG_EVERY_S`, folding the others, which are logged
+        with their count that long after the last line even if none follows) that a future
         answers 410 because the engine aborted it ``aborts`` times."""
-        now = time.monotonic()
-        self._abort_log_folded += 1
-        if now - self._abort_log_at < ABORT_LOG_EVERY_S:
-            return
-        more = f" ({self._abort_log_folded} such futures since the last line)" if self._abort_log_folded > 1 else ""
-        log.warning("encoder %d: the engine aborted future %s %d times (finish_reason abort; "
-                    "engine.max_abort_resubmits = %d): it answers 410 and the SDK resubmits the sample%s",
-                    self.shard, e.fid, aborts, self.cfg.engine.max_abort_resubmits, more)
-        self._abort_log_at, self._abort_log_folded = now, 0
+        self._abort_log.hit("encoder %d: the engine aborted future %s %d times (finish_reason abort; "
+                            "engine.max_abort_resubmits = %d): it answers 410 and the SDK resubmits the sample",
+                            self.shard, e.fid, aborts, self.cfg.engine.max_abort_resubmits)
 
     def _store(self, e: FutureEntry, dc) -> None:
         plan = plan_sample_response(dc)
@@ -1142,15 +1137,12 @@ class EncoderCore:
         """``/dev/shm`` had no room for a result's pages: count it, log an ERROR (at most every
         :data:`SHM_FULL_LOG_EVERY_S`), and check the free space at each SUBMIT for the next
         :data:`SHM_FULL_CHECK_S`."""
-        now = time.monotonic()
-        self._shm_full_at = now
+        self._shm_full_at = time.monotonic()
         self.counters["arena_shm_full"] += 1
-        if now - self._shm_full_log_at >= SHM_FULL_LOG_EVERY_S:
-            self._shm_full_log_at = now
-            log.error("encoder %d: %s: %s is full (another program's files? `df %s`): results that cannot be "
-                      "stored answer 410 (the SDK resubmits) and new samples are refused 429 until there is room "
-                      "(shardserver_encoder_events_total{event=\"arena_shm_full\"})",
-                      self.shard, exc.strerror, SHM_DIR, SHM_DIR)
+        self._shm_full_log.hit("encoder %d: %s: %s is full (another program's files? `df %s`): results that cannot "
+                               "be stored answer 410 (the SDK resubmits) and new samples are refused 429 until there "
+                               "is room (shardserver_encoder_events_total{event=\"arena_shm_full\"})",
+                               self.shard, exc.strerror, SHM_DIR, SHM_DIR)
 
     def _shm_room(self, need: int) -> SubmitRefused | None:
         """While ``/dev/shm`` was full a moment ago: 429 when it has less than ``need`` bytes
