@@ -77,9 +77,9 @@ DRAIN_IDLE_S = 0.5
 # At the cap, only connections waiting on their client at least this long are closed to make room
 # (one idle for less is likely to carry a request right now; a request takes milliseconds to send).
 EVICT_MIN_IDLE_S = 1.0
-# A request still arriving moves its connection's waiting clock (EVICT_MIN_IDLE_S) on by each
-# this many bytes received: a slow upload that keeps sending is not closed at the cap, a
-# slowloris (a few bytes now and then) is.
+# A request body still arriving moves its connection's waiting clock (EVICT_MIN_IDLE_S) on by
+# each this many bytes received: a slow upload that keeps sending is not closed at the cap, a
+# slowloris (a few bytes now and then, or a head trickled in) is.
 EVICT_PROGRESS_BYTES = 4096
 _EVICTED_BODY = b"request not complete within 1 s while the front-end is at server.max_connections; retry\n"
 # accept() failed for lack of file descriptors or memory: stop accepting this long.
@@ -346,10 +346,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         return None
 
     def data_received(self, data: bytes) -> None:
-        if self.idle_since and self._started:
+        if self.idle_since and self._started and not self._in_head:
+            # A body that keeps arriving is not a stalled request. (A head does not count: it is
+            # at most server.max_header_bytes, and one trickled 4 KiB at a time would otherwise
+            # hold its slot for server.header_timeout_s.)
             self._progress += len(data)
             if self._progress >= EVICT_PROGRESS_BYTES:
-                self._wait_on_client()  # a request that keeps arriving is not a stalled one
+                self._wait_on_client()
         if self._phase == "drain":
             self._disarm()
         if self._linger_left is not None:
@@ -511,7 +514,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         429 and closes. A connection keeps its first owner."""
         if self.owner is not None:
             return True
-        if self._listener is not None and not self._listener.claim(owner):
+        if self._listener is not None and not self._listener.claim(owner, self):
             return False
         self.owner = owner
         return True
@@ -827,6 +830,10 @@ class Listener:
         proto._listener = None  # its connection_lost no longer reports here: the slot is free now
         proto.idle_since = 0.0
         self.open -= 1
+        if proto.owner is not None:
+            # (connection_lost no longer reports here: without this a key's count only grew with
+            # every eviction of its connections, until the key was refused for good)
+            self.unclaim(proto.owner)
         proto.evict()
 
     def _pause_at_cap(self, recheck_s: float) -> None:
@@ -860,16 +867,31 @@ class Listener:
     def not_idle(self, proto: GatewayHttpProtocol) -> None:
         self._idle.pop(proto, None)
 
-    def claim(self, owner: str) -> bool:
-        """Count one more connection of ``owner``; False (nothing counted) when it holds
-        :attr:`per_owner` already. In keys mode no key can then hold every connection slot and
-        lock the other keys out (each key's share of ``server.max_connections``)."""
+    def claim(self, owner: str, proto: GatewayHttpProtocol | None = None) -> bool:
+        """Count one more connection of ``owner`` (``proto``'s first authenticated request);
+        False (nothing counted) when it may not have one more. In keys mode no key can then hold
+        every connection slot and lock the other keys out (each key's share of
+        ``server.max_connections``, :attr:`per_owner`).
+
+        A key at its share still gets the connection when:
+
+        * the front-end has room for another key's whole share besides (free slots >=
+          :attr:`per_owner`): a share is what a key is sure of, not all it may use;
+        * one of its own connections sits idle between requests: that one is closed instead
+          (an SDK keeps up to 20 idle pooled connections, which alone would use up its share
+          and refuse its poller's new connection).
+        """
         n = self.owned.get(owner, 0)
-        if self.per_owner and n >= self.per_owner:
-            self.cap_log.hit("front-end %d: an API key holds its share of the connections (%d of "
-                             "server.max_connections = %d, auth.key_share): answering 429 and closing",
-                             self.front_end, self.per_owner, self.max_connections)
-            return False
+        if self.per_owner and n >= self.per_owner and self.max_connections - self.open < self.per_owner:
+            idle = next((p for p in self._idle if p.owner == owner and p is not proto and not p._started
+                         and p.answered and not p.unread_bytes()), None)
+            if idle is None:
+                self.cap_log.hit("front-end %d: an API key holds its share of the connections (%d of "
+                                 "server.max_connections = %d, auth.key_share), each busy: answering 429 and "
+                                 "closing", self.front_end, self.per_owner, self.max_connections)
+                return False
+            self._evict(idle)  # (its count goes with it)
+            n = self.owned.get(owner, 0)
         self.owned[owner] = n + 1
         return True
 
