@@ -33,6 +33,7 @@ scan and, in ``keys`` mode, one BLAKE2b of the key and one dict lookup
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -243,6 +244,10 @@ MISSING_KEY_MESSAGE = ("missing API key: send it in the X-API-Key header "
 #: api.common.CONNECTION_SCOPE_KEY (not imported from there: the supervisor loads this module,
 #: and that one imports FastAPI); tests/unit/test_imports.py checks that they agree.
 CONNECTION_SCOPE_KEY = "shardserver.connection"
+#: A retrieve_future refused for the key's connection share is answered 408 try_again after this
+#: many seconds (its connection is closed after).
+TOO_MANY_POLL_WAIT_S = 1.0
+RETRIEVE_FUTURE_PATH = "/api/v1/retrieve_future"
 TOO_MANY_CONNECTIONS_MESSAGE = ("this API key holds its share of this server's connections (auth.key_share of "
                                 "server.max_connections): close idle connections or retry")
 INVALID_KEY_MESSAGE = "invalid API key: it is not one of this server's keys (auth.keys_file / auth.keys_env)"
@@ -273,6 +278,16 @@ class AuthMiddleware:
                                        (b"content-length", str(len(body)).encode()), (b"retry-after", b"1"),
                                        (b"connection", b"close"), *self._extra]},
                           {"type": "http.response.body", "body": body})
+        # The same refusal for a retrieve_future: the SDK's "not ready yet, poll again" (SDK 0.15
+        # raises on a 429 there and the sample fails; it polls again after a 408), given after
+        # TOO_MANY_POLL_WAIT_S so that its next poll does not follow at once.
+        body = json.dumps({"type": "try_again", "queue_state": "paused_capacity",
+                           "queue_state_reason": TOO_MANY_CONNECTIONS_MESSAGE}).encode()
+        self._too_many_poll = ({"type": "http.response.start", "status": 408,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
+                                            *self._extra]},
+                               {"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
@@ -299,7 +314,11 @@ class AuthMiddleware:
             if self._on_reject is not None:
                 self._on_reject("connections")
             conn.cycle.keep_alive = False  # answered, then closed: the key's count goes down
-            await send(self._too_many[0])
-            await send(self._too_many[1])
+            answer = self._too_many
+            if scope["path"] == RETRIEVE_FUTURE_PATH:
+                answer = self._too_many_poll
+                await asyncio.sleep(TOO_MANY_POLL_WAIT_S)
+            await send(answer[0])
+            await send(answer[1])
             return
         await self.app(scope, receive, send)
