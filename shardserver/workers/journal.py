@@ -200,6 +200,15 @@ def _open_locked(path: str, deadline: float) -> int | None:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            # A state_dir mounted (or made) read-only since the last run: the file can still be
+            # read, and its futures reported (flock works on a read-only descriptor).
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
         locked = _lock(fd, deadline)
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
@@ -315,7 +324,7 @@ class FutureJournal:
                 if m.group(2):  # a rewrite cut short: the file it was to replace is still there
                     try:
                         os.unlink(path)
-                    except FileNotFoundError:
+                    except OSError:  # gone already, or a read-only state_dir: left for a later run
                         pass
                     continue
                 try:

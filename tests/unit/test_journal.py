@@ -537,3 +537,32 @@ def test_the_core_rewrites_a_removed_journal_or_reports_once_that_it_cannot(tmp_
         j2.close()
 
     asyncio.run(go())
+
+
+def test_a_journal_on_a_state_dir_that_became_read_only_is_still_read_and_reported(tmp_path, monkeypatch):
+    """The last run's journal, then ``server.state_dir`` mounted read-only for the next run
+    (break tester round 3, F1: a read-only bind mount): the new encoder cannot write a journal,
+    but it must still read the old one, so that the futures it holds are reported as failed to
+    the SDK's poller. Before, the file was opened read-write only: EROFS, "cannot be opened", its
+    futures never reported, and an SDK 0.38 that learned the poller in the last run waited for
+    them forever. Here writes fail with EROFS (what a read-only mount answers; root ignores
+    file modes, so a chmod would not show it)."""
+    import errno
+
+    j, _ = FutureJournal.open(str(tmp_path), TAG, 0, 1)
+    j.add(_fid(1), "sidA", 0)
+    j.add(_fid(2), "sidB", 1)
+    os.close(j.fd)  # the gateway was killed: the file stays as it was
+    real_open = os.open
+
+    def read_only_fs(path, flags, *args, **kw):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(jmod.os, "open", read_only_fs)
+    with pytest.raises(jmod.JournalUnwritable) as e:
+        FutureJournal.open(str(tmp_path), TAG, 0, 1)
+    took = e.value.takeover
+    assert [r.fid for r in took.records] == [_fid(1), _fid(2)] and took.unreadable == 0
+    assert _files(tmp_path) == [f"{TAG}.0.journal"]  # left for a later run that can write
