@@ -317,6 +317,7 @@ class AuthMiddleware:
             answer = self._too_many
             if scope["path"] == RETRIEVE_FUTURE_PATH:
                 answer = self._too_many_poll
+                conn.doom()  # closed at once if the front-end needs the slot meanwhile
                 await asyncio.sleep(TOO_MANY_POLL_WAIT_S)
             await send(answer[0])
             await send(answer[1])

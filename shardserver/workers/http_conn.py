@@ -197,6 +197,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.arena_cut = False      # an arena write found the slot freed: the response must be cut
         self.owner: str | None = None  # the API key's owner tag its first authenticated request had
         self.answered = 0           # responses completed on this connection
+        self.doomed = False         # refused for its key's share; its answer is delayed (evictable at once)
         self._progress = 0          # bytes of the request in progress since its waiting clock last moved
 
     # -- timers ---------------------------------------------------------------------------------
@@ -472,8 +473,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         cap (:meth:`Listener._evictable`). A request that is complete is served, not evictable."""
         self.idle_since = time.monotonic()
         self._progress = 0
-        if self._listener is not None:
-            self._listener.idle(self)
+        listener = self._listener
+        if listener is not None:
+            listener.idle(self)
+            if listener._capped and (self.doomed or (listener.keys_mode and self.owner is None and self.answered)):
+                listener.recheck_soon()  # evictable at once: a client waiting in the backlog may take its place
 
     # -- delivery -------------------------------------------------------------------------------
     def resume_writing(self) -> None:
@@ -518,6 +522,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return False
         self.owner = owner
         return True
+
+    def doom(self) -> None:
+        """Its request was refused for its key's connection share and is answered after a delay
+        (:data:`~shardserver.api.auth.TOO_MANY_POLL_WAIT_S`): meanwhile the listener may close it
+        at once to make room at the cap (:meth:`Listener._evictable`), so a key cannot hold slots
+        with refused requests; the client then sees a closed connection and retries."""
+        self.doomed = True
+        self._wait_on_client()
 
     def bytes_not_taken(self) -> int:
         """Bytes written to this connection that the client has not taken yet: the transport's
@@ -659,10 +671,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._disarm(cancel=True)
         CONNECTIONS_EVICTED.inc()
         cycle = self.cycle
+        if cycle is not None and not cycle.response_started and not cycle.response_complete:
+            cycle.disconnected = True  # the app's receive() answers http.disconnect, its send() is a no-op
+            cycle.message_event.set()
         if self._started and (cycle is None or not cycle.response_started) and not self.transport.is_closing():
-            if cycle is not None and not cycle.response_complete:
-                cycle.disconnected = True  # the app's receive() answers http.disconnect, its send() is a no-op
-                cycle.message_event.set()
             self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
                                  b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
                                  % (len(_EVICTED_BODY), _EVICTED_BODY))
@@ -816,8 +828,8 @@ class Listener:
             # request more often than every EVICT_MIN_IDLE_S, would hold every slot against
             # every key (they count against no key's share).
             recheck = min(recheck, EVICT_MIN_IDLE_S - idle_s)
-            if self.keys_mode and proto.owner is None and proto.answered and not proto._started \
-                    and not proto.unread_bytes():
+            if proto.doomed or (self.keys_mode and proto.owner is None and proto.answered and not proto._started
+                                and not proto.unread_bytes()):
                 return proto
         # None has waited long enough, or each that has has its next request unread, or they
         # were accepted and not made yet (connect_accepted_socket runs in a task): look again,
@@ -848,6 +860,14 @@ class Listener:
         self._stop_reading()
         self._schedule_resume(recheck_s)
 
+    def recheck_soon(self) -> None:
+        """Paused at the cap: look for room at the next turn of the event loop instead of at the
+        scheduled re-check (a connection became evictable at once)."""
+        if self._capped and not self._reading and not self._error_pause and not self.draining:
+            if self._resume is not None:
+                self._resume.cancel()
+            self._resume = self.loop.call_soon(self._resume_now)  # type: ignore[assignment]
+
     def _schedule_resume(self, delay: float) -> None:
         if self._resume is None:
             self._resume = self.loop.call_later(delay, self._resume_now)
@@ -873,16 +893,12 @@ class Listener:
         every connection slot and lock the other keys out (each key's share of
         ``server.max_connections``, :attr:`per_owner`).
 
-        A key at its share still gets the connection when:
-
-        * the front-end has room for another key's whole share besides (free slots >=
-          :attr:`per_owner`): a share is what a key is sure of, not all it may use;
-        * one of its own connections sits idle between requests: that one is closed instead
-          (an SDK keeps up to 20 idle pooled connections, which alone would use up its share
-          and refuse its poller's new connection).
+        A key at its share still gets the connection when one of its own connections sits idle
+        between requests: that one is closed instead (an SDK keeps up to 20 idle pooled
+        connections, which alone would use up its share and refuse its poller's new connection).
         """
         n = self.owned.get(owner, 0)
-        if self.per_owner and n >= self.per_owner and self.max_connections - self.open < self.per_owner:
+        if self.per_owner and n >= self.per_owner:
             idle = next((p for p in self._idle if p.owner == owner and p is not proto and not p._started
                          and p.answered and not p.unread_bytes()), None)
             if idle is None:

@@ -154,11 +154,12 @@ def test_a_key_cannot_hold_every_connection_slot(tmp_path):
     never idle enough to evict) left the other keys' SDKs waiting in the listen backlog. Now a
     key's first request on a connection past its share of the front-end's connections
     (auth.key_share x server.max_connections = 16 of 48 here) is refused with Connection: close
-    (429; a retrieve_future 408 try_again after a second, which the SDK polls again) once fewer
-    than a share of slots would stay free (so at most 48 - 16 = 32), unless one
-    of the key's own connections sits idle (that one is closed instead: break tester round 3,
-    F2, an SDK's idle pooled connections used up its share and its poller got 429 forever). The
-    other keys are served, and the key gets connections again as its own close."""
+    (429; a retrieve_future 408 try_again a second later, which the SDK polls again: SDK 0.15
+    fails a sample on a 429 there, break tester round 3), unless one of the key's own connections
+    sits idle (that one is closed instead: round 3, an SDK's idle pooled connections used up its
+    share and its poller got 429 forever). While a refused poll waits for its 408 the front-end
+    closes it at once if it needs the slot (round 4: a key flooding refused polls kept the
+    others in the listen backlog)."""
     cfg = tmp_path / "keys.toml"
     cfg.write_text(CONFIG.replace("front_ends = 1", "front_ends = 1\nmax_connections = 48"))
     env = {"SHARDSERVER_API_KEYS": ",".join((KEY_A, KEY_B, KEY_C))}
@@ -169,13 +170,17 @@ def test_a_key_cannot_hold_every_connection_slot(tmp_path):
         poll = _raw_request("POST", "/api/v1/retrieve_future", KEY_B, json.dumps({"request_id": fb["request_id"]}).encode())
         held: list[socket.socket] = []
         try:
-            for _ in range(40):  # key B's long-polls, held by the server (the future never finishes)
+            for _ in range(60):  # key B's long-polls: 16 held, the others refused (more than the cap)
                 c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
                 c.sendall(poll)
                 held.append(c)
-                time.sleep(0.01)
+            t0 = time.monotonic()  # key A is served at once: a refused poll makes room
+            st, _, _ = http_json(s.url + "/api/v1/create_session", {"tags": [], "user_metadata": {}},
+                                 headers={"X-API-Key": KEY_A}, timeout=10)
+            waited = time.monotonic() - t0
+            assert st == 200 and waited < 0.9, (st, waited)
             time.sleep(1.8)
-            refused = []
+            answered, closed = [], []
             for c in held:
                 c.setblocking(False)
                 try:
@@ -183,20 +188,21 @@ def test_a_key_cannot_hold_every_connection_slot(tmp_path):
                 except BlockingIOError:
                     continue
                 c.setblocking(True)
+                if not data:
+                    closed.append(c)  # refused, then closed to make room
+                    continue
                 head, body = data.split(b"\r\n\r\n", 1)
-                # A retrieve_future is refused as "poll again" (408 try_again), a second later: SDK
-                # 0.15 fails a sample on a 429 there (break tester round 3, F3).
                 assert head.lower().startswith(b"http/1.1 408") and b"connection: close" in head.lower(), data
                 assert json.loads(body) == {"type": "try_again", "queue_state": "paused_capacity",
                                             "queue_state_reason": TOO_MANY_CONNECTIONS_MESSAGE}
-                refused.append(c)
-            assert len(refused) == 40 - 32, len(refused)
-            for c in refused:
+                answered.append(c)
+            assert len(answered) + len(closed) == 60 - 16 and closed, (len(answered), len(closed))
+            for c in answered + closed:
                 held.remove(c)
                 c.close()
-            # Key A is served: it opens 17 connections one after the other and keeps each open,
-            # idle between requests. The 17th passes A's share with fewer than a share of slots
-            # free, so A's oldest idle connection is closed for it instead of a 429.
+            # Key A opens 17 connections one after the other and keeps each open, idle between
+            # requests: the 17th passes A's share, so A's oldest idle connection is closed for it
+            # instead of a 429.
             session = _raw_request("POST", "/api/v1/create_session", KEY_A, b'{"tags": [], "user_metadata": {}}')
             mine = []
             for _ in range(17):
