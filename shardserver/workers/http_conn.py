@@ -476,7 +476,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         listener = self._listener
         if listener is not None:
             listener.idle(self)
-            if listener._capped and (self.doomed or (listener.keys_mode and self.owner is None and self.answered)):
+            if self.doomed or (listener.keys_mode and self.owner is None and self.answered):
                 listener.recheck_soon()  # evictable at once: a client waiting in the backlog may take its place
 
     # -- delivery -------------------------------------------------------------------------------
@@ -861,8 +861,8 @@ class Listener:
         self._schedule_resume(recheck_s)
 
     def recheck_soon(self) -> None:
-        """Paused at the cap: look for room at the next turn of the event loop instead of at the
-        scheduled re-check (a connection became evictable at once)."""
+        """A connection became evictable at once: when paused at the cap, look for room at the
+        next turn of the event loop instead of at the scheduled re-check (else nothing)."""
         if self._capped and not self._reading and not self._error_pause and not self.draining:
             if self._resume is not None:
                 self._resume.cancel()
